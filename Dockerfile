@@ -1,0 +1,79 @@
+# syntax=docker/dockerfile:1
+#
+# Targets:
+#   runtime   (default) the daemon:     docker build -t sqs-ingest .
+#   reconcile the PySpark reconciler:   docker build --target reconcile -t sqs-ingest-reconcile .
+#
+# Pinned to bookworm, not the floating python:3.11-slim: the reconcile target needs
+# openjdk-17-jre-headless, which Debian 13 (trixie) no longer ships.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------- builder
+FROM ${PYTHON_IMAGE} AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+RUN python -m venv /opt/venv
+# Dependency metadata first, so code edits do not invalidate the dependency layer.
+COPY pyproject.toml README.md ./
+COPY migrations ./migrations
+COPY service ./service
+# Build our own wheel (migrations are force-included as service/migrations) and
+# install it with its dependencies into a self-contained venv copied to the runtime.
+RUN pip wheel --no-deps --wheel-dir /dist . \
+    && pip install /dist/*.whl
+
+# ------------------------------------------------------- reconcile builder
+FROM builder AS builder-reconcile
+# The `reconcile` extra (pyspark) is large: kept out of the daemon image. Its version
+# bound comes from our own wheel's metadata, hence no pin here.
+# hadolint ignore=DL3013
+RUN whl="$(ls /dist/sqs_ingest-*.whl)" \
+    && pip install "${whl}[reconcile]"
+
+# -------------------------------------------------------------- reconcile
+FROM ${PYTHON_IMAGE} AS reconcile
+# Slim images delete /usr/share/man; the JRE's postinst fails without man1.
+# hadolint ignore=DL3008
+RUN mkdir -p /usr/share/man/man1 \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends openjdk-17-jre-headless libpostgresql-jdbc-java \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 ingest \
+    && useradd --system --uid 10001 --gid ingest --home-dir /tmp --no-create-home \
+       --shell /usr/sbin/nologin ingest
+COPY --from=builder-reconcile /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp
+# Spark writes scratch files under the working directory and java.io.tmpdir:
+# /tmp is the one writable place when the root filesystem is read-only.
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 9103
+ENTRYPOINT ["sqs-ingest"]
+CMD ["reconcile"]
+
+# ---------------------------------------------------------------- runtime
+FROM ${PYTHON_IMAGE} AS runtime
+RUN groupadd --system --gid 10001 ingest \
+    && useradd --system --uid 10001 --gid ingest --home-dir /nonexistent --no-create-home \
+       --shell /usr/sbin/nologin ingest
+COPY --from=builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    INGEST_HTTP_PORT=9102
+WORKDIR /tmp
+# Numeric ids so Kubernetes' runAsNonRoot can verify the user without /etc/passwd.
+USER 10001:10001
+EXPOSE 9102
+# slim has no curl: probe /healthz (liveness, not /readyz) with the interpreter we ship.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('INGEST_HTTP_PORT', '9102'), timeout=4)"]
+# Exec form: the daemon is PID 1 and receives SIGTERM itself, so it can drain
+# in-flight batches and exit 0 (a shell wrapper would swallow the signal).
+ENTRYPOINT ["sqs-ingest"]
+CMD ["run"]

@@ -1,0 +1,36 @@
+# Human entry points. Everything installs itself on a fresh Debian 12 machine (as root).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install services stop run test test-fast lint bench bench-reconcile clean
+
+install:
+	scripts/install.sh
+
+services: install
+	scripts/services.sh start
+
+stop:
+	scripts/services.sh stop
+
+## make run: local PostgreSQL + moto SQS, migrations, sample messages, daemon in the foreground
+run: services
+	source .run/env && export INGEST_LOG_FORMAT=$${INGEST_LOG_FORMAT:-console} INGEST_HTTP_PORT=$${INGEST_HTTP_PORT:-9102} \
+	  && $(VENV)/bin/sqs-ingest migrate \
+	  && $(VENV)/bin/sqs-ingest produce --count 20 \
+	  && exec $(VENV)/bin/sqs-ingest run
+
+## make test: the whole suite (starts its own PostgreSQL and SQS emulator per session)
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not chaos and not spark" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check service tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf .run .pytest_cache

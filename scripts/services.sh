@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Starts (or reuses) a throwaway PostgreSQL and the SQS emulator (moto server) on loopback
+# for `make run`, creates the queue, and writes the connection settings to .run/env.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=$PWD/.run
+PG_PORT=${PG_PORT:-55432}
+SQS_PORT=${SQS_PORT:-4566}
+QUEUE=${QUEUE:-sqs-ingest-dev}
+mkdir -p "$RUN"
+
+pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1; }
+BIN=$(pg_bin)
+as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+DB_USER=$([ "$(id -u)" = 0 ] && echo postgres || id -un)
+
+case "${1:-start}" in
+start)
+  if ! pg_isready -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null; then
+    if [ ! -d "$RUN/pg/data" ]; then
+      mkdir -p "$RUN/pg/sock"
+      [ "$(id -u)" = 0 ] && chown -R postgres:postgres "$RUN/pg"
+      as_pg "$BIN/initdb" -A trust -U "$DB_USER" -D "$RUN/pg/data" >/dev/null
+    fi
+    as_pg "$BIN/pg_ctl" -w -D "$RUN/pg/data" -l "$RUN/pg/server.log" start \
+      -o "-p $PG_PORT -k $RUN/pg/sock -c listen_addresses=127.0.0.1" >/dev/null
+    echo "postgresql started on 127.0.0.1:$PG_PORT"
+  else
+    echo "postgresql already up on 127.0.0.1:$PG_PORT"
+  fi
+  psql -q -h 127.0.0.1 -p "$PG_PORT" -U "$DB_USER" -d postgres -tc \
+    "SELECT 1 FROM pg_database WHERE datname = 'ingest'" | grep -q 1 \
+    || psql -q -h 127.0.0.1 -p "$PG_PORT" -U "$DB_USER" -d postgres -c "CREATE DATABASE ingest"
+
+  if ! curl -fs "http://127.0.0.1:$SQS_PORT/moto-api/" >/dev/null 2>&1; then
+    nohup .venv/bin/moto_server -H 127.0.0.1 -p "$SQS_PORT" >"$RUN/moto.log" 2>&1 &
+    echo $! >"$RUN/moto.pid"
+    for _ in $(seq 1 100); do
+      curl -fs "http://127.0.0.1:$SQS_PORT/moto-api/" >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+    echo "moto server started on 127.0.0.1:$SQS_PORT"
+  else
+    echo "SQS emulator already up on 127.0.0.1:$SQS_PORT"
+  fi
+  export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-testing} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-testing}
+  url=$(.venv/bin/python - "$SQS_PORT" "$QUEUE" <<'PY'
+import sys, boto3
+c = boto3.client("sqs", endpoint_url=f"http://127.0.0.1:{sys.argv[1]}", region_name="us-east-1")
+print(c.create_queue(QueueName=sys.argv[2], Attributes={"VisibilityTimeout": "30"})["QueueUrl"])
+PY
+)
+  cat >"$RUN/env" <<ENV
+export INGEST_DATABASE_URL=postgresql://$DB_USER@127.0.0.1:$PG_PORT/ingest
+export INGEST_QUEUE_URL=$url
+export INGEST_SQS_ENDPOINT_URL=http://127.0.0.1:$SQS_PORT
+export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY}
+ENV
+  echo "queue: $url (settings in .run/env)"
+  ;;
+stop)
+  [ -f "$RUN/moto.pid" ] && kill "$(cat "$RUN/moto.pid")" 2>/dev/null || true
+  rm -f "$RUN/moto.pid"
+  [ -d "$RUN/pg/data" ] && as_pg "$BIN/pg_ctl" -w -D "$RUN/pg/data" stop -m fast >/dev/null || true
+  echo "stopped"
+  ;;
+*) echo "usage: $0 start|stop" >&2; exit 64 ;;
+esac

@@ -1,0 +1,118 @@
+"""Wiring of ``sqs-ingest run``: settings → pool → queue → worker, HTTP, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import asyncpg
+import structlog
+
+from service import metrics
+from service.errors import TransientError
+from service.handlers import default_registry, load_handler_modules, load_reference_handlers
+from service.migrate import SchemaBehind, check_schema
+from service.settings import Settings, redact_dsn
+from service.sqs import SqsQueue, sqs_client
+from service.store import CONNECTION_ERRORS, Store, create_pool
+from service.worker import EXIT_FATAL, Worker
+
+log = structlog.get_logger("sqs_ingest.app")
+
+
+class _Startup:
+    """Readiness while the daemon is still connecting (DB or SQS not there yet)."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+        self.db = False
+        self.sqs = False
+
+    async def healthy(self) -> tuple[bool, dict[str, object]]:
+        if self.worker is None:
+            return True, {"phase": "starting"}
+        return self.worker.liveness()
+
+    async def ready(self) -> tuple[bool, dict[str, object]]:
+        if self.worker is None:
+            return False, {"phase": "starting", "database": self.db, "sqs": self.sqs}
+        return self.worker.readiness()
+
+
+async def _retry(what: str, attempt, stop: asyncio.Event):  # type: ignore[no-untyped-def]
+    """Retry ``attempt()`` with capped exponential backoff until it works or stop is set."""
+    delay = 0.5
+    while True:
+        try:
+            return await attempt()
+        except (*CONNECTION_ERRORS, TransientError) as exc:
+            log.warning(f"{what}_unavailable", error=str(exc), retry_in=round(delay, 2))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+            return None
+        except TimeoutError:
+            delay = min(delay * 2, 10.0)
+
+
+async def run(settings: Settings) -> int:
+    load_reference_handlers()
+    load_handler_modules(settings.handler_modules)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    state = _Startup()
+    worker: Worker | None = None
+
+    def on_signal() -> None:
+        if worker is not None:
+            worker.request_stop()
+        else:
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    runner = None
+    if settings.http_port:
+        runner = await metrics.start_http(
+            metrics.make_app(state.healthy, state.ready), settings.http_host, settings.http_port
+        )
+    log.info("starting", database=redact_dsn(settings.database_url), queue=settings.queue_url,
+             http_port=settings.http_port)
+    try:
+        pool = await _retry(
+            "database", lambda: create_pool(settings.database_url, settings.db_pool_size), stop
+        )
+        if pool is None:
+            return 0
+        try:
+            async with pool.acquire() as conn:
+                await check_schema(conn)
+        except SchemaBehind as exc:
+            log.error("schema_behind", error=str(exc))
+            print(f"sqs-ingest: {exc}", flush=True)
+            return EXIT_FATAL
+        state.db = True
+        store = Store(pool)
+        async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
+                              max_pool_connections=settings.pollers * 2 + 10) as client:
+            queue = SqsQueue(client, settings.queue_url)
+            attrs = await _retry("sqs", queue.attributes, stop)
+            if attrs is None:
+                return 0
+            state.sqs = True
+            vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
+            await _retry("database", lambda: store.register_worker(settings.effective_worker_name),
+                         stop)
+            worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt)
+            state.worker = worker
+            if stop.is_set():
+                worker.request_stop()
+            code = await worker.run()
+        await pool.close()
+        return code
+    except asyncpg.PostgresError as exc:
+        log.error("fatal_database_error", error=str(exc))
+        return EXIT_FATAL
+    finally:
+        if runner is not None:
+            await runner.cleanup()

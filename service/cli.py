@@ -1,0 +1,135 @@
+"""Argument parsing only: run, migrate, gc, dlq, reconcile, produce."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from service.settings import ConfigError, Settings, load_settings, redact_dsn
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sqs-ingest", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run the daemon in the foreground")
+    sub.add_parser("migrate", help="apply pending database migrations")
+    sub.add_parser("gc", help="release claims of dead workers once, and print them")
+    dlq = sub.add_parser("dlq", help="inspect and replay dead letters")
+    dsub = dlq.add_subparsers(dest="dlq_command", required=True)
+    ls = dsub.add_parser("list", help="list dead letters")
+    ls.add_argument("--reason")
+    ls.add_argument("--since", help="ISO timestamp: received at or after")
+    ls.add_argument("--until", help="ISO timestamp: received before")
+    ls.add_argument("--include-replayed", action="store_true")
+    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--format", choices=["table", "json"], default="table")
+    rp = dsub.add_parser("replay", help="send stored raw bodies back to the queue")
+    g = rp.add_mutually_exclusive_group(required=True)
+    g.add_argument("--id", type=int)
+    g.add_argument("--all", action="store_true")
+    rp.add_argument("--reason")
+    rp.add_argument("--dry-run", action="store_true")
+    sub.add_parser("reconcile", help="run the PySpark reconciliation (see --help)",
+                   add_help=False)
+    pr = sub.add_parser("produce", help="send sample messages (dev tool)")
+    pr.add_argument("--count", type=int, default=20)
+    pr.add_argument("--seed", type=int, default=1)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "reconcile":
+        from service.reconcile.cli import main as reconcile_main
+
+        return reconcile_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        settings = _settings_for(args.command)
+    except ConfigError as exc:
+        print(f"sqs-ingest: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    from service.logs import configure_logging
+
+    configure_logging(settings.log_format, settings.log_level)
+    if args.command == "run":
+        from service import app
+
+        return _run_async(app.run(settings))
+    if args.command == "migrate":
+        return _run_async(_migrate(settings))
+    if args.command == "gc":
+        return _run_async(_gc(settings))
+    if args.command == "dlq":
+        from service import dlq
+
+        return _run_async(dlq.main(settings, args))
+    if args.command == "produce":
+        from service import produce
+
+        return _run_async(produce.main(settings, args.count, args.seed))
+    raise AssertionError(args.command)
+
+
+def _settings_for(command: str) -> Settings:
+    if command in ("migrate", "gc"):
+        # These only need the database; the queue URL may be absent in a migrate Job.
+        return load_settings(queue_url="http://unused.invalid/queue") if _missing_queue() \
+            else load_settings()
+    return load_settings()
+
+
+def _missing_queue() -> bool:
+    import os
+
+    return not os.environ.get("INGEST_QUEUE_URL")
+
+
+def _run_async(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)  # type: ignore[no-any-return]
+    except ImportError:
+        return asyncio.run(coro)
+
+
+async def _migrate(settings: Settings) -> int:
+    from service.migrate import migrate
+
+    try:
+        applied = await migrate(settings.database_url)
+    except OSError as exc:
+        print(f"sqs-ingest: cannot reach {redact_dsn(settings.database_url)}: {exc}",
+              file=sys.stderr)
+        return 1
+    print(f"applied {len(applied)} migration(s)" + (
+        ": " + ", ".join(f"{m.version:03d}_{m.name}" for m in applied) if applied else ""))
+    return 0
+
+
+async def _gc(settings: Settings) -> int:
+    import asyncpg
+
+    from service.store import Store, create_pool
+
+    pool = await create_pool(settings.database_url, 2)
+    try:
+        store = Store(pool, worker_id="gc-cli")
+        rows = await store.gc(settings.worker_lease)
+    except asyncpg.PostgresError as exc:
+        print(f"sqs-ingest: gc failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await pool.close()
+    for r in rows:
+        print(f"released request_id={r['request_id']} owner={r['owner']} "
+              f"sqs_message_id={r['sqs_message_id']}")
+    print(f"released {len(rows)} orphaned claim(s)")
+    return 0

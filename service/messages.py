@@ -1,0 +1,103 @@
+"""Envelope parsing: a raw SQS body becomes a Message or a Poison, never an exception."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from service.handlers.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One SQS message as received, before parsing."""
+
+    message_id: str
+    receipt_handle: str
+    body: str
+    receive_count: int = 1
+    sent_timestamp: float | None = None  # epoch seconds
+    group_id: str | None = None
+
+
+@dataclass(slots=True)
+class Message:
+    raw: Received
+    request_id: str
+    type: str
+    payload: BaseModel
+    payload_json: dict[str, Any]
+    payload_sha256: str
+    sent_at: datetime | None = None
+    failures: int = 0  # earlier handler failures, from the claim
+
+
+@dataclass(slots=True)
+class Poison:
+    raw: Received
+    reason: str
+    error: str
+    request_id: str | None = None
+    type: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def canonical_json(value: Any) -> bytes:
+    """Key-sorted compact JSON: equal payloads hash equal whatever their key order."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def payload_hash(payload: Any) -> str:
+    return hashlib.sha256(canonical_json(payload)).hexdigest()
+
+
+def parse(raw: Received, registry: Registry) -> Message | Poison:
+    """Validate one body. Every way a body can be wrong is a Poison with a reason."""
+    try:
+        doc = orjson.loads(raw.body)
+    except orjson.JSONDecodeError as exc:
+        return Poison(raw, "invalid_json", str(exc))
+    if isinstance(doc, dict) and doc.get("Type") == "Notification" and "Message" in doc:
+        inner = doc["Message"]
+        if not isinstance(inner, str):
+            return Poison(raw, "invalid_envelope", "SNS Message is not a string")
+        try:
+            doc = orjson.loads(inner)
+        except orjson.JSONDecodeError as exc:
+            return Poison(raw, "invalid_json", f"SNS Message: {exc}")
+    if not isinstance(doc, dict):
+        return Poison(raw, "invalid_envelope", f"body is a JSON {type(doc).__name__}, not an object")
+    request_id, mtype, payload = doc.get("request_id"), doc.get("type"), doc.get("payload")
+    if not isinstance(request_id, str) or not request_id:
+        return Poison(raw, "missing_request_id", "request_id must be a non-empty string")
+    if not isinstance(mtype, str) or not mtype:
+        return Poison(raw, "missing_type", "type must be a non-empty string", request_id)
+    if not isinstance(payload, dict):
+        return Poison(raw, "invalid_payload", "payload must be a JSON object", request_id, mtype)
+    sent_at: datetime | None = None
+    if "sent_at" in doc and doc["sent_at"] is not None:
+        try:
+            sent_at = datetime.fromisoformat(str(doc["sent_at"]).replace("Z", "+00:00"))
+        except ValueError as exc:
+            return Poison(raw, "invalid_envelope", f"sent_at: {exc}", request_id, mtype)
+    spec = registry.get(mtype)
+    if spec is None:
+        return Poison(raw, "unknown_type", f"no handler for type {mtype!r}", request_id, mtype)
+    try:
+        model = spec.model.model_validate(payload)
+    except ValidationError as exc:
+        return Poison(raw, "invalid_payload", _short(exc), request_id, mtype)
+    return Message(raw, request_id, mtype, model, payload, payload_hash(payload), sent_at)
+
+
+def _short(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in e["loc"]) or "payload"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)

@@ -1,0 +1,111 @@
+"""Every Prometheus metric of the daemon, and the HTTP server (/metrics /healthz /readyz)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+
+from service import __version__
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+P = "sqs_ingest_"
+
+messages_received = Counter(
+    P + "messages_received", "Messages received from SQS", registry=REGISTRY
+)
+messages_processed = Counter(
+    P + "messages_processed",
+    "Messages by final outcome of this delivery",
+    ["type", "outcome"],
+    registry=REGISTRY,
+)
+ack_failures = Counter(
+    P + "ack_failures", "DeleteMessageBatch calls or entries that failed after commit",
+    registry=REGISTRY,
+)
+orphans_collected = Counter(
+    P + "orphans_collected", "IN_PROGRESS claims of dead workers released by GC",
+    registry=REGISTRY,
+)
+dead_letters = Counter(
+    P + "dead_letters", "Messages stored in dead_letters", ["reason"], registry=REGISTRY
+)
+db_errors = Counter(P + "db_errors", "Database connection failures", registry=REGISTRY)
+sqs_errors = Counter(P + "sqs_errors", "SQS calls that failed", ["operation"], registry=REGISTRY)
+visibility_extensions = Counter(
+    P + "visibility_extensions", "Messages whose visibility was extended while in flight",
+    registry=REGISTRY,
+)
+contention_deferrals = Counter(
+    P + "contention_deferrals", "Messages deferred because another live owner holds the claim",
+    registry=REGISTRY,
+)
+batch_duration = Histogram(
+    P + "batch_duration_seconds",
+    "Receive-to-ack time of one batch",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
+message_lag = Histogram(
+    P + "message_lag_seconds",
+    "Commit time minus SQS SentTimestamp",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+    registry=REGISTRY,
+)
+in_flight = Gauge(P + "in_flight_messages", "Messages received and not yet acked or released",
+                  registry=REGISTRY)
+queue_visible = Gauge(P + "queue_visible_messages",
+                      "ApproximateNumberOfMessages from GetQueueAttributes", registry=REGISTRY)
+queue_not_visible = Gauge(P + "queue_in_flight_messages",
+                          "ApproximateNumberOfMessagesNotVisible from GetQueueAttributes",
+                          registry=REGISTRY)
+queue_oldest_age = Gauge(
+    P + "queue_oldest_message_age_seconds",
+    "now - oldest SentTimestamp among recently received messages "
+    "(CloudWatch ApproximateAgeOfOldestMessage is authoritative)",
+    registry=REGISTRY,
+)
+ready = Gauge(P + "ready", "1 when /readyz answers 200", registry=REGISTRY)
+build_info = Info(P + "build", "Build information", registry=REGISTRY)
+build_info.info({"version": __version__})
+
+
+Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]
+
+
+def make_app(healthy: Check, readiness: Check) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        ok, detail = await healthy()
+        return web.json_response({"ok": ok, **detail}, status=200 if ok else 503)
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok, detail = await readiness()
+        ready.set(1 if ok else 0)
+        return web.json_response({"ready": ok, **detail}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    return runner

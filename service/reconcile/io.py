@@ -1,0 +1,262 @@
+"""The thin I/O of the job: partitioned JDBC reads (extract) and the results write (load).
+
+Reads run in read-only sessions (the job never changes the data it checks) and stream
+with a fetch size instead of materialising whole partitions in the driver. Credentials
+travel as JDBC properties, never inside the URL, so neither Spark's plans nor our logs
+can print them; :func:`service.settings.redact_dsn` is the only form of a DSN we output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from service.settings import redact_dsn
+
+if TYPE_CHECKING:
+    import asyncpg
+    from pyspark.sql import DataFrame, SparkSession
+
+    from service.reconcile.transforms import Window
+
+# Distinct from the migration lock: two sidecars contend for this one, per database.
+RECONCILE_LOCK_KEY = 0x5151_2EC0
+FETCH_SIZE = 10_000
+
+
+class DsnError(ValueError):
+    """A database URL the job cannot turn into a JDBC connection."""
+
+
+@dataclass(frozen=True)
+class Database:
+    """One database to read: ``primary`` or ``peerN``, with its JDBC coordinates."""
+
+    label: str
+    dsn: str = field(repr=False)
+
+    @property
+    def redacted(self) -> str:
+        return redact_dsn(self.dsn)
+
+    @property
+    def jdbc_url(self) -> str:
+        return jdbc_target(self.dsn)[0]
+
+    def properties(self) -> dict[str, str]:
+        props = jdbc_target(self.dsn)[1]
+        props.update(
+            driver="org.postgresql.Driver",
+            fetchsize=str(FETCH_SIZE),
+            # Belt and braces for "read-only on the data it checks".
+            sessionInitStatement="SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+            ApplicationName="sqs-ingest-reconcile",
+        )
+        return props
+
+
+def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
+    """``postgresql://user:pass@host:port/db?sslmode=…`` → (JDBC URL, properties).
+
+    User and password go to the properties; query parameters (``sslmode``…) too, since
+    pgJDBC accepts the libpq names for the ones that matter.
+    """
+    parts = urlsplit(dsn)
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise DsnError(f"not a postgresql:// URL: {redact_dsn(dsn)}")
+    if not parts.hostname:
+        raise DsnError(f"database URL needs a host: {redact_dsn(dsn)}")
+    host = parts.hostname
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    port = parts.port or 5432
+    db = unquote(parts.path.lstrip("/")) or unquote(parts.username or "postgres")
+    props: dict[str, str] = dict(parse_qsl(parts.query))
+    if parts.username:
+        props["user"] = unquote(parts.username)
+    if parts.password is not None:
+        props["password"] = unquote(parts.password)
+    return f"jdbc:postgresql://{host}:{port}/{db}", props
+
+
+def _ts(value: datetime) -> str:
+    """A timestamptz literal; values come from our own datetimes, never from user text."""
+    return f"'{value.isoformat()}'::timestamptz"
+
+
+def _read_one(spark: SparkSession, db: Database, sql: str) -> Any:
+    return (
+        spark.read.format("jdbc")
+        .option("url", db.jdbc_url)
+        .options(**db.properties())
+        .option("query", sql)
+        .load()
+        .first()
+    )
+
+
+def _partitioned(
+    spark: SparkSession,
+    db: Database,
+    subquery: str,
+    bounds_sql: str,
+    partitions: int,
+    schema: str,
+) -> DataFrame:
+    """Read ``subquery`` split on ``id`` into ``partitions`` ranges from a min/max query."""
+    bounds = _read_one(spark, db, bounds_sql)
+    lo, hi = bounds[0], bounds[1]
+    if lo is None:  # nothing in range: an empty frame of the right shape
+        return spark.createDataFrame([], schema)
+    return spark.read.jdbc(
+        db.jdbc_url,
+        f"({subquery}) AS src",
+        column="id",
+        lowerBound=int(lo),
+        upperBound=int(hi) + 1,
+        numPartitions=max(1, min(partitions, int(hi) - int(lo) + 1)),
+        properties=db.properties(),
+    )
+
+
+def read_modifications(
+    spark: SparkSession, db: Database, start: datetime, end: datetime, partitions: int
+) -> DataFrame:
+    """``modifications`` received in ``[start, end)``, columns of MODIFICATIONS_SCHEMA."""
+    from service.reconcile.transforms import MODIFICATIONS_SCHEMA
+
+    where = f"received_at >= {_ts(start)} AND received_at < {_ts(end)}"
+    sub = (
+        "SELECT id, request_id, request_type, status, payload_sha256, owner, received_at,"
+        f" completed_at FROM modifications WHERE {where}"
+    )
+    return _partitioned(
+        spark,
+        db,
+        sub,
+        f"SELECT min(id) AS lo, max(id) AS hi FROM modifications WHERE {where}",
+        partitions,
+        MODIFICATIONS_SCHEMA,
+    )
+
+
+def count_modifications(spark: SparkSession, db: Database, window: Window) -> int:
+    """Rows received in the window (index range count; for the summary)."""
+    sql = (
+        "SELECT count(*) AS n FROM modifications WHERE "
+        f"received_at >= {_ts(window.start)} AND received_at < {_ts(window.end)}"
+    )
+    return int(_read_one(spark, db, sql)[0])
+
+
+def read_entity_modifications(spark: SparkSession, db: Database, partitions: int) -> DataFrame:
+    """Every ``COMPLETED`` entity modification (all history: the state depends on all of it).
+
+    ``data`` travels as an md5 of its jsonb text: jsonb prints canonically (sorted keys, no
+    whitespace), so equal documents hash equal, and the shuffle stays small.
+    """
+    from service.reconcile.transforms import DELETE, ENTITY_MODIFICATIONS_SCHEMA, UPSERT
+
+    types = f"('{UPSERT}', '{DELETE}')"
+    sub = (
+        "SELECT id, request_id, request_type, payload->>'entity_id' AS entity_id,"
+        " CASE WHEN jsonb_typeof(payload->'version') = 'number'"
+        "      THEN (payload->>'version')::numeric::bigint END AS version,"
+        " md5((payload->'data')::text) AS data_md5, completed_at"
+        f" FROM modifications WHERE status = 'COMPLETED' AND request_type IN {types}"
+    )
+    # Bounds over the whole table come straight from the primary-key index.
+    return _partitioned(
+        spark,
+        db,
+        sub,
+        "SELECT min(id) AS lo, max(id) AS hi FROM modifications",
+        partitions,
+        ENTITY_MODIFICATIONS_SCHEMA,
+    )
+
+
+def read_entities(spark: SparkSession, db: Database, partitions: int) -> DataFrame:
+    """All of ``entities``. Its key is text, so partitions are hash buckets of it."""
+    n = max(1, partitions)
+    predicates = [f"mod(abs(hashtext(entity_id)::bigint), {n}) = {i}" for i in range(n)]
+    table = (
+        "(SELECT entity_id, version, deleted, md5(data::text) AS data_md5, request_id,"
+        " updated_at FROM entities) AS src"
+    )
+    return spark.read.jdbc(db.jdbc_url, table, predicates=predicates, properties=db.properties())
+
+
+# --- load: asyncpg on the primary ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_date: date
+    window_start: datetime
+    window_end: datetime
+    status: str
+    counts: dict[str, Any]
+    started_at: datetime
+    finished_at: datetime
+    discrepancies: list[tuple[str, str | None, str | None, str | None, str | None]]
+
+
+async def db_now(conn: asyncpg.Connection) -> datetime:
+    """The database clock: cutoffs are compared with timestamps that clock wrote."""
+    value: datetime = await conn.fetchval("SELECT now()")
+    return value
+
+
+async def try_lock(conn: asyncpg.Connection) -> bool:
+    """Session advisory lock: one reconciliation per primary database at a time."""
+    return bool(await conn.fetchval("SELECT pg_try_advisory_lock($1)", RECONCILE_LOCK_KEY))
+
+
+async def unlock(conn: asyncpg.Connection) -> None:
+    await conn.execute("SELECT pg_advisory_unlock($1)", RECONCILE_LOCK_KEY)
+
+
+async def run_exists(conn: asyncpg.Connection, run_date: date) -> bool:
+    return bool(
+        await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM reconciliation_runs WHERE run_date = $1)", run_date
+        )
+    )
+
+
+async def write_results(conn: asyncpg.Connection, record: RunRecord) -> int:
+    """Replace the results of ``record.run_date`` with this run's, atomically; → run_id.
+
+    Readers never see a date with no results or with two runs' worth: the delete of the
+    previous runs (discrepancies cascade) and the inserts commit together.
+    """
+    async with conn.transaction():
+        await conn.execute("DELETE FROM reconciliation_runs WHERE run_date = $1", record.run_date)
+        run_id: int = await conn.fetchval(
+            "INSERT INTO reconciliation_runs"
+            " (run_date, window_start, window_end, status, counts, started_at, finished_at)"
+            " VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7) RETURNING run_id",
+            record.run_date,
+            record.window_start,
+            record.window_end,
+            record.status,
+            json.dumps(record.counts),
+            record.started_at,
+            record.finished_at,
+        )
+        if record.discrepancies:
+            await conn.copy_records_to_table(
+                "reconciliation_discrepancies",
+                records=[(run_id, *row) for row in record.discrepancies],
+                columns=["run_id", "kind", "request_id", "entity_id", "source", "details"],
+            )
+    return run_id
+
+
+def window_range(window: Window, margin: timedelta) -> tuple[datetime, datetime]:
+    """The range read for cross-database checks: the window plus a clock-skew margin."""
+    return window.start - margin, window.end + margin

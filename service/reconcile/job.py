@@ -1,0 +1,172 @@
+"""Wiring: extract (io) → check (transforms) → collect the small result.
+
+The only things brought back to the driver are per-kind counts and at most
+``max_discrepancies`` discrepancy rows; the tables themselves stay distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time as dtime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from service.reconcile import KINDS, io, transforms
+from service.reconcile.transforms import Window
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+Discrepancy = tuple[str, str | None, str | None, str | None, str | None]
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What one run checks.
+
+    Attributes:
+        run_date: the UTC day checked; the window is ``[run_date − lookback, run_date + 1)``.
+        primary: the database whose ``reconciliation_*`` tables receive the results.
+        peers: other databases ingesting the same stream, compared with the primary.
+        lookback: how far before the day the window starts (late IN_PROGRESS, re-checks).
+        stuck_after: age past which an IN_PROGRESS claim is stuck; also the grace during
+            which anything younger counts as in flight.
+        skew_margin: extra range read on both sides for the cross-database lookups.
+        partitions: JDBC read partitions per table.
+        max_discrepancies: rows collected and stored; counts always cover all of them.
+        output: optional directory receiving every discrepancy as JSON lines.
+    """
+
+    run_date: date
+    primary: io.Database
+    peers: tuple[io.Database, ...] = ()
+    lookback: timedelta = timedelta(hours=24)
+    stuck_after: timedelta = timedelta(minutes=60)
+    skew_margin: timedelta = timedelta(hours=1)
+    partitions: int = 8
+    max_discrepancies: int = 100_000
+    output: str | None = None
+
+    @property
+    def window(self) -> Window:
+        return window_for(self.run_date, self.lookback)
+
+    @property
+    def databases(self) -> tuple[io.Database, ...]:
+        return (self.primary, *self.peers)
+
+
+@dataclass
+class JobResult:
+    window: Window
+    as_of: datetime
+    counts: dict[str, int]
+    discrepancies: list[Discrepancy]
+    modifications: dict[str, int]
+    duration_seconds: float
+    truncated: bool = False
+    databases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def status(self) -> str:
+        return "discrepancies" if self.total else "clean"
+
+    def counts_json(self) -> dict[str, Any]:
+        """What goes into ``reconciliation_runs.counts``."""
+        return {
+            **self.counts,
+            "total": self.total,
+            "stored": len(self.discrepancies),
+            "truncated": self.truncated,
+            "modifications": self.modifications,
+            "databases": self.databases,
+            "as_of": self.as_of.isoformat(),
+            "duration_seconds": round(self.duration_seconds, 3),
+        }
+
+
+def window_for(run_date: date, lookback: timedelta) -> Window:
+    start = datetime.combine(run_date, dtime(0), tzinfo=UTC)
+    return Window(start=start - lookback, end=start + timedelta(days=1))
+
+
+def build_discrepancies(spark: SparkSession, opts: JobOptions, as_of: datetime) -> DataFrame:
+    """Every check over every database, as one lazy DataFrame."""
+    from pyspark import StorageLevel
+
+    window = opts.window
+    cutoff = as_of - opts.stuck_after
+    lo, hi = io.window_range(window, opts.skew_margin)
+    frames: list[DataFrame] = []
+    mods: dict[str, DataFrame] = {}
+    for db in opts.databases:
+        # Read once, used by the stuck check and by every pairwise comparison.
+        m = io.read_modifications(spark, db, lo, hi, opts.partitions).persist(
+            StorageLevel.MEMORY_AND_DISK
+        )
+        mods[db.label] = m
+        frames.append(
+            transforms.stuck_in_progress(m, window=window, inflight_cutoff=cutoff, source=db.label)
+        )
+        frames.append(
+            transforms.entity_drift(
+                io.read_entities(spark, db, opts.partitions),
+                io.read_entity_modifications(spark, db, opts.partitions),
+                inflight_cutoff=cutoff,
+                source=db.label,
+            )
+        )
+    for peer in opts.peers:
+        frames.append(
+            transforms.compare_databases(
+                mods[opts.primary.label],
+                mods[peer.label],
+                window=window,
+                inflight_cutoff=cutoff,
+                peer_label=peer.label,
+            )
+        )
+    return transforms.union_discrepancies(frames)
+
+
+def run(spark: SparkSession, opts: JobOptions, as_of: datetime) -> JobResult:
+    """Run every check; ``as_of`` is the primary database's clock at the start."""
+    t0 = time.monotonic()
+    window = opts.window
+    modifications = {
+        db.label: io.count_modifications(spark, db, window) for db in opts.databases
+    }
+    disc = build_discrepancies(spark, opts, as_of).persist()
+    try:
+        counts = {kind: 0 for kind in KINDS}
+        for row in transforms.count_by_kind(disc).collect():
+            counts[row["kind"]] = int(row["n"])
+        total = sum(counts.values())
+        rows = (
+            disc.orderBy("kind", "source", "request_id", "entity_id")
+            .limit(opts.max_discrepancies)
+            .collect()
+            if total
+            else []
+        )
+        if opts.output:
+            disc.write.mode("overwrite").json(f"{opts.output.rstrip('/')}/run_date={opts.run_date}")
+    finally:
+        disc.unpersist()
+        spark.catalog.clearCache()
+    return JobResult(
+        window=window,
+        as_of=as_of,
+        counts=counts,
+        discrepancies=[
+            (r["kind"], r["request_id"], r["entity_id"], r["source"], r["details"]) for r in rows
+        ],
+        modifications=modifications,
+        duration_seconds=time.monotonic() - t0,
+        truncated=total > len(rows),
+        databases={db.label: db.redacted for db in opts.databases},
+    )

@@ -1,0 +1,300 @@
+"""The checks: pure DataFrame → DataFrame functions, no I/O, no collect.
+
+Every check returns rows of :data:`DISCREPANCY_SCHEMA` (``details`` is a JSON string), so
+the job can union them and the loader writes them unchanged. The input shapes are
+:data:`MODIFICATIONS_SCHEMA`, :data:`ENTITY_MODIFICATIONS_SCHEMA` and
+:data:`ENTITIES_SCHEMA`; ``io`` reads exactly those columns.
+
+Time is passed in, never read: ``window`` is the half-open ``[start, end)`` on
+``received_at`` being checked, ``inflight_cutoff`` is "now minus --stuck-after". Anything
+younger than the cutoff may still legitimately be in flight (a claim being applied, a peer
+a few seconds behind, an entity write racing our reads), so it is never reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from functools import reduce
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pyspark is imported lazily by the callers; see the package docstring.
+    from pyspark.sql import Column, DataFrame
+
+MODIFICATIONS_SCHEMA = (
+    "id bigint, request_id string, request_type string, status string, "
+    "payload_sha256 string, owner string, received_at timestamp, completed_at timestamp"
+)
+ENTITY_MODIFICATIONS_SCHEMA = (
+    "id bigint, request_id string, request_type string, entity_id string, version bigint, "
+    "data_md5 string, completed_at timestamp"
+)
+ENTITIES_SCHEMA = (
+    "entity_id string, version bigint, deleted boolean, data_md5 string, request_id string, "
+    "updated_at timestamp"
+)
+DISCREPANCY_SCHEMA = (
+    "kind string, request_id string, entity_id string, source string, details string"
+)
+
+UPSERT = "entity.upsert"
+DELETE = "entity.delete"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Half-open ``[start, end)`` on ``received_at`` (timezone-aware UTC datetimes)."""
+
+    start: datetime
+    end: datetime
+
+
+def _in_window(col: Column, window: Window) -> Column:
+    return (col >= window.start) & (col < window.end)
+
+
+def _discrepancy(
+    df: DataFrame,
+    kind: str,
+    request_id: Column | None,
+    entity_id: Column | None,
+    source: Column | str,
+    details: Column,
+) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    src = F.lit(source) if isinstance(source, str) else source
+    return df.select(
+        F.lit(kind).alias("kind"),
+        (request_id if request_id is not None else F.lit(None)).cast("string").alias("request_id"),
+        (entity_id if entity_id is not None else F.lit(None)).cast("string").alias("entity_id"),
+        src.cast("string").alias("source"),
+        F.to_json(details).alias("details"),
+    )
+
+
+def stuck_in_progress(
+    mods: DataFrame, *, window: Window, inflight_cutoff: datetime, source: str
+) -> DataFrame:
+    """Claims received in the window that are still ``IN_PROGRESS`` past the threshold.
+
+    Orphan GC should have released them (a dead owner) or the owner finished them; one
+    that survives is a message the daemon is neither applying nor letting redeliver.
+    """
+    from pyspark.sql import functions as F
+
+    stuck = mods.where(
+        (F.col("status") == "IN_PROGRESS")
+        & _in_window(F.col("received_at"), window)
+        & (F.col("received_at") < F.lit(inflight_cutoff))
+    )
+    return _discrepancy(
+        stuck,
+        "stuck_in_progress",
+        F.col("request_id"),
+        None,
+        source,
+        F.struct("request_type", "owner", "received_at"),
+    )
+
+
+def compare_databases(
+    primary: DataFrame,
+    peer: DataFrame,
+    *,
+    window: Window,
+    inflight_cutoff: datetime,
+    peer_label: str,
+) -> DataFrame:
+    """``missing_in_peer``, ``missing_in_primary``, ``status_mismatch``, ``payload_mismatch``.
+
+    Both inputs may cover a wider range than ``window`` (the loader reads a margin either
+    side): a request the primary received at 23:59:59 and the peer at 00:00:01 is present
+    in both, not missing. Only requests with at least one side inside the window are
+    judged. ``source`` is always the peer's label; the kind says which side lacks the row.
+    """
+    from pyspark.sql import functions as F
+
+    p = primary.select([F.col(c).alias(f"p_{c}") for c in primary.columns])
+    q = peer.select([F.col(c).alias(f"q_{c}") for c in peer.columns])
+    joined = p.join(q, F.col("p_request_id") == F.col("q_request_id"), "full_outer").where(
+        _in_window(F.col("p_received_at"), window) | _in_window(F.col("q_received_at"), window)
+    )
+    p_present, q_present = F.col("p_id").isNotNull(), F.col("q_id").isNotNull()
+    p_settled = F.col("p_received_at") < F.lit(inflight_cutoff)
+    q_settled = F.col("q_received_at") < F.lit(inflight_cutoff)
+
+    def side(prefix: str) -> Column:
+        return F.struct(
+            F.col(f"{prefix}_status").alias("status"),
+            F.col(f"{prefix}_request_type").alias("request_type"),
+            F.col(f"{prefix}_received_at").alias("received_at"),
+        )
+
+    missing_in_peer = _discrepancy(
+        joined.where(
+            p_present & ~q_present & _in_window(F.col("p_received_at"), window) & p_settled
+        ),
+        "missing_in_peer",
+        F.col("p_request_id"),
+        None,
+        peer_label,
+        F.struct(
+            F.lit("primary").alias("present_in"),
+            F.lit(peer_label).alias("missing_in"),
+            side("p").alias("primary"),
+        ),
+    )
+    missing_in_primary = _discrepancy(
+        joined.where(
+            q_present & ~p_present & _in_window(F.col("q_received_at"), window) & q_settled
+        ),
+        "missing_in_primary",
+        F.col("q_request_id"),
+        None,
+        peer_label,
+        F.struct(
+            F.lit(peer_label).alias("present_in"),
+            F.lit("primary").alias("missing_in"),
+            side("q").alias("peer"),
+        ),
+    )
+    both = joined.where(p_present & q_present)
+    # A claim younger than the threshold is simply still being applied on that side.
+    in_progress_is_settled = F.when(F.col("p_status") == "IN_PROGRESS", p_settled).otherwise(
+        q_settled
+    )
+    status_mismatch = _discrepancy(
+        both.where((F.col("p_status") != F.col("q_status")) & in_progress_is_settled),
+        "status_mismatch",
+        F.col("p_request_id"),
+        None,
+        peer_label,
+        F.struct(side("p").alias("primary"), side("q").alias("peer")),
+    )
+    payload_mismatch = _discrepancy(
+        both.where(~F.col("p_payload_sha256").eqNullSafe(F.col("q_payload_sha256"))),
+        "payload_mismatch",
+        F.col("p_request_id"),
+        None,
+        peer_label,
+        F.struct(
+            F.col("p_payload_sha256").alias("primary_sha256"),
+            F.col("q_payload_sha256").alias("peer_sha256"),
+        ),
+    )
+    return union_discrepancies(
+        [missing_in_peer, missing_in_primary, status_mismatch, payload_mismatch]
+    )
+
+
+def replay_entities(entity_mods: DataFrame) -> DataFrame:
+    """The state the reference handlers must have left: per entity, the ``COMPLETED``
+    ``entity.upsert``/``entity.delete`` with the highest version; on a version tie the one
+    completed first (a later equal version is not "strictly newer", so it never landed).
+
+    Returns ``entity_id, version, deleted, data_md5, request_id``.
+    """
+    from pyspark.sql import Window as W
+    from pyspark.sql import functions as F
+
+    order = W.partitionBy("entity_id").orderBy(
+        F.col("version").desc_nulls_last(),
+        F.col("completed_at").asc_nulls_last(),
+        F.col("id").asc(),
+    )
+    winners = (
+        entity_mods.where(F.col("entity_id").isNotNull())
+        .withColumn("_rank", F.row_number().over(order))
+        .where(F.col("_rank") == 1)
+    )
+    is_delete = F.col("request_type") == DELETE
+    return winners.select(
+        "entity_id",
+        "version",
+        is_delete.alias("deleted"),
+        F.when(is_delete, F.lit(None).cast("string")).otherwise(F.col("data_md5")).alias("data_md5"),
+        "request_id",
+    )
+
+
+def entity_drift(
+    entities: DataFrame,
+    entity_mods: DataFrame,
+    *,
+    inflight_cutoff: datetime,
+    source: str,
+) -> DataFrame:
+    """``entities`` rows that differ from the replayed state, in both directions.
+
+    ``details.problem`` is ``missing_entity`` (modifications completed, no row),
+    ``no_completed_modification`` (a row nothing explains) or ``state_mismatch`` with the
+    differing ``fields``. Entities written or modified after the cutoff are skipped: our
+    reads of the two tables are not one snapshot, so a write racing them is not drift.
+    """
+    from pyspark.sql import functions as F
+
+    expected = replay_entities(entity_mods)
+    unsettled = (
+        entity_mods.where(F.col("completed_at") >= F.lit(inflight_cutoff))
+        .select("entity_id")
+        .union(entities.where(F.col("updated_at") >= F.lit(inflight_cutoff)).select("entity_id"))
+        .distinct()
+    )
+    fields = ["version", "deleted", "data_md5", "request_id"]
+    e = entities.select(F.col("entity_id").alias("e_entity_id"), *[F.col(c).alias(f"e_{c}") for c in fields])
+    r = expected.select(F.col("entity_id").alias("r_entity_id"), *[F.col(c).alias(f"r_{c}") for c in fields])
+    joined = e.join(r, F.col("e_entity_id") == F.col("r_entity_id"), "full_outer").withColumn(
+        "entity_id", F.coalesce("e_entity_id", "r_entity_id")
+    )
+    joined = joined.join(unsettled, "entity_id", "left_anti")
+
+    differing = F.array_compact(
+        F.array(
+            *[
+                F.when(~F.col(f"e_{c}").eqNullSafe(F.col(f"r_{c}")), F.lit(c))
+                for c in fields
+            ]
+        )
+    )
+    e_present, r_present = F.col("e_entity_id").isNotNull(), F.col("r_entity_id").isNotNull()
+    problem = (
+        F.when(~e_present, F.lit("missing_entity"))
+        .when(~r_present, F.lit("no_completed_modification"))
+        .otherwise(F.lit("state_mismatch"))
+    )
+    drifted = joined.withColumn("_fields", differing).where(
+        ~e_present | ~r_present | (F.size("_fields") > 0)
+    )
+
+    def state(prefix: str) -> Column:
+        present = e_present if prefix == "e" else r_present
+        return F.when(present, F.struct(*[F.col(f"{prefix}_{c}").alias(c) for c in fields]))
+
+    return _discrepancy(
+        drifted,
+        "entity_drift",
+        F.coalesce("r_request_id", "e_request_id"),
+        F.col("entity_id"),
+        source,
+        F.struct(
+            problem.alias("problem"),
+            F.when(e_present & r_present, F.col("_fields")).alias("fields"),
+            state("r").alias("expected"),
+            state("e").alias("actual"),
+        ),
+    )
+
+
+def union_discrepancies(frames: Iterable[DataFrame]) -> DataFrame:
+    """All discrepancy frames as one (they share :data:`DISCREPANCY_SCHEMA`)."""
+    frames = list(frames)
+    if not frames:
+        raise ValueError("no discrepancy frames to union")
+    return reduce(lambda a, b: a.unionByName(b), frames)
+
+
+def count_by_kind(discrepancies: DataFrame) -> DataFrame:
+    """``kind, n`` — a handful of rows, safe to collect whatever the discrepancy volume."""
+    return discrepancies.groupBy("kind").count().withColumnRenamed("count", "n")

@@ -1,0 +1,138 @@
+"""The one settings class. Nothing else in the daemon reads ``os.environ``."""
+
+from __future__ import annotations
+
+import socket
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "INGEST_"
+# SQS refuses a visibility timeout beyond 12 hours.
+SQS_MAX_VISIBILITY = 43_200
+
+
+class ConfigError(Exception):
+    """Bad or missing configuration: the CLI exits 2 with this one-line message."""
+
+
+class Settings(BaseSettings):
+    """Every option of the daemon, read from ``INGEST_*`` environment variables.
+
+    Attributes:
+        queue_url: the SQS queue to drain (required).
+        database_url: ``postgresql://`` DSN of the target database (required).
+        sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
+        aws_region: region for the SQS client.
+        http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
+        http_host: address the HTTP server binds.
+        visibility_timeout: seconds a received message stays hidden; 0 = use the
+            queue's own ``VisibilityTimeout`` attribute, read at startup.
+        max_receive_count: handler attempts before a message is dead-lettered.
+        pollers: concurrent long-poll loops.
+        max_inflight_batches: received batches being processed at once (bounds memory).
+        wait_time_seconds: long-poll wait (SQS maximum 20).
+        shutdown_timeout: seconds to finish in-flight work after SIGTERM.
+        handlers: comma-separated modules imported at startup to register handlers.
+        worker_name: stable name of this replica (pod name); when set, claims of a
+            dead previous incarnation with the same name are released at startup.
+        worker_lease: seconds without heartbeat after which a worker is dead.
+        gc_interval: seconds between orphan-GC passes.
+        retry_base_seconds / retry_max_seconds: exponential backoff of transient failures.
+        contention_delay: visibility given to a message another live owner holds.
+        queue_attributes_interval: seconds between GetQueueAttributes for the depth gauges.
+        db_pool_size: PostgreSQL connections.
+        log_format / log_level: ``json`` (default) or ``console``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    queue_url: str
+    database_url: str
+    sqs_endpoint_url: str | None = None
+    aws_region: str = "us-east-1"
+    http_port: int = Field(9102, ge=0, le=65535)
+    http_host: str = "0.0.0.0"
+    visibility_timeout: int = Field(0, ge=0, le=SQS_MAX_VISIBILITY)
+    max_receive_count: int = Field(5, ge=1, le=1000)
+    pollers: int = Field(4, ge=1, le=64)
+    max_inflight_batches: int = Field(0, ge=0, le=512)
+    wait_time_seconds: int = Field(20, ge=0, le=20)
+    shutdown_timeout: float = Field(30.0, gt=0)
+    handlers: str = ""
+    worker_name: str = ""
+    worker_lease: float = Field(30.0, gt=0)
+    gc_interval: float = Field(10.0, gt=0)
+    retry_base_seconds: float = Field(2.0, ge=0)
+    retry_max_seconds: float = Field(900.0, ge=0, le=SQS_MAX_VISIBILITY)
+    contention_delay: float = Field(5.0, ge=0, le=SQS_MAX_VISIBILITY)
+    queue_attributes_interval: float = Field(15.0, gt=0)
+    db_pool_size: int = Field(8, ge=1, le=200)
+    log_format: Literal["json", "console"] = "json"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_dsn(cls, v: str) -> str:
+        if not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must start with postgresql://")
+        return v
+
+    @field_validator("queue_url")
+    @classmethod
+    def _queue_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an SQS queue URL (http(s)://…)")
+        return v
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+    @property
+    def is_fifo(self) -> bool:
+        return self.queue_url.rstrip("/").endswith(".fifo")
+
+    @property
+    def inflight_limit(self) -> int:
+        return self.max_inflight_batches or self.pollers * 2
+
+    @property
+    def handler_modules(self) -> list[str]:
+        return [m.strip() for m in self.handlers.split(",") if m.strip()]
+
+    @property
+    def effective_worker_name(self) -> str:
+        return self.worker_name or socket.gethostname()
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build Settings, turning a validation error into a one-line ConfigError."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"][0] if err["loc"] else "?"
+        var = f"{ENV_PREFIX}{str(loc).upper()}"
+        msg = err["msg"]
+        if err["type"] == "missing":
+            msg = "is required but not set"
+        raise ConfigError(f"configuration error: {var} {msg}") from None
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with its password replaced, safe for logs and error lines."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return "<unparseable dsn>"
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    host = netloc[1] if len(netloc) == 2 else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -1,0 +1,102 @@
+-- Named statements of the store. Each block starts with "-- name: <name>".
+
+-- name: claim
+-- One statement per batch. Input is sorted by request_id so two workers claiming
+-- overlapping batches take the unique-index locks in the same order (no deadlock).
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[])
+        AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at)
+), ins AS (
+    INSERT INTO modifications
+        (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at)
+    SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
+           sqs_message_id, $7, sent_at
+      FROM input
+    ON CONFLICT (request_id) DO NOTHING
+    RETURNING request_id
+)
+SELECT i.request_id,
+       ins.request_id IS NOT NULL AS claimed,
+       m.status, m.request_type, m.payload_sha256, m.owner,
+       coalesce(r.failures, 0) AS failures
+  FROM input i
+  LEFT JOIN ins ON ins.request_id = i.request_id
+  LEFT JOIN modifications m ON m.request_id = i.request_id
+  LEFT JOIN retry_attempts r ON r.request_id = i.request_id
+
+-- name: fence
+-- Lock this worker's claims before running handlers: GC cannot delete a locked row,
+-- and a claim GC already collected is simply not returned (so never completed).
+SELECT request_id FROM modifications
+ WHERE request_id = ANY($1::text[]) AND owner = $2 AND status = 'IN_PROGRESS'
+ ORDER BY request_id
+   FOR UPDATE
+
+-- name: complete
+UPDATE modifications AS m
+   SET status = 'COMPLETED', completed_at = now(), result = u.result::jsonb
+  FROM unnest($1::text[], $2::text[]) AS u(request_id, result)
+ WHERE m.request_id = u.request_id AND m.owner = $3 AND m.status = 'IN_PROGRESS'
+RETURNING m.request_id
+
+-- name: clear_attempts
+DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
+
+-- name: release
+DELETE FROM modifications
+ WHERE request_id = ANY($1::text[]) AND owner = $2 AND status = 'IN_PROGRESS'
+
+-- name: record_failures
+INSERT INTO retry_attempts AS r (request_id, failures, last_error, updated_at)
+SELECT request_id, 1, err, now() FROM unnest($1::text[], $2::text[]) AS t(request_id, err)
+ON CONFLICT (request_id) DO UPDATE
+   SET failures = r.failures + 1, last_error = EXCLUDED.last_error, updated_at = now()
+RETURNING request_id, failures
+
+-- name: dead_letter
+INSERT INTO dead_letters
+    (sqs_message_id, body, reason, error, request_id, request_type, receive_count)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[])
+ON CONFLICT (sqs_message_id) DO NOTHING
+
+-- name: register_worker
+INSERT INTO workers (worker_id, worker_name, hostname, pid) VALUES ($1, $2, $3, $4)
+
+-- name: heartbeat
+UPDATE workers SET heartbeat_at = now() WHERE worker_id = $1 AND stopped_at IS NULL
+RETURNING worker_id
+
+-- name: stop_worker
+UPDATE workers SET stopped_at = now(), heartbeat_at = now() WHERE worker_id = $1
+
+-- name: gc_orphans
+-- Release claims whose owner is dead: heartbeat older than the lease, stopped, unknown,
+-- or an earlier incarnation of a replica with the same explicit name ($3, may be NULL).
+-- Rows are locked by the owner's completing transaction; DELETE waits and re-checks
+-- status, so a claim completed meanwhile is never touched.
+WITH dead AS (
+    SELECT worker_id FROM workers
+     WHERE worker_id <> $1
+       AND (stopped_at IS NOT NULL
+            OR heartbeat_at < now() - make_interval(secs => $2)
+            OR ($3::text IS NOT NULL AND worker_name = $3 AND started_at < $4))
+)
+DELETE FROM modifications m
+ WHERE m.status = 'IN_PROGRESS'
+   AND m.owner IS DISTINCT FROM $1
+   AND (m.owner IN (SELECT worker_id FROM dead)
+        OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = m.owner))
+RETURNING m.request_id, m.owner, m.sqs_message_id
+
+-- name: gc_own_leaks
+-- Claims of this very process that no batch holds any more (a batch whose release
+-- failed while the database was down).
+DELETE FROM modifications
+ WHERE owner = $1 AND status = 'IN_PROGRESS' AND NOT (request_id = ANY($2::text[]))
+RETURNING request_id
+
+-- name: prune_workers
+DELETE FROM workers
+ WHERE heartbeat_at < now() - interval '7 days'
+   AND NOT EXISTS (SELECT 1 FROM modifications m
+                    WHERE m.owner = workers.worker_id AND m.status = 'IN_PROGRESS')

@@ -1,0 +1,142 @@
+"""The queue seam: long-poll receive, batch delete, batch visibility changes (aiobotocore)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import BotoCoreError, ClientError
+
+from service.errors import AckFailed, TransientError
+from service.messages import Received
+
+RECEIVE_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId"]
+
+
+class QueueSeam(Protocol):
+    async def receive(
+        self, max_messages: int, wait_seconds: int, visibility_timeout: int | None
+    ) -> list[Received]: ...
+
+    async def delete_batch(self, messages: Sequence[Received]) -> None: ...
+
+    async def change_visibility_batch(
+        self, changes: Sequence[tuple[Received, int]]
+    ) -> list[str]: ...
+
+    async def attributes(self) -> dict[str, str]: ...
+
+
+class SqsQueue:
+    """One SQS queue through an aiobotocore client."""
+
+    def __init__(self, client: Any, queue_url: str) -> None:
+        self._client = client
+        self.queue_url = queue_url
+
+    async def receive(
+        self, max_messages: int = 10, wait_seconds: int = 20, visibility_timeout: int | None = None
+    ) -> list[Received]:
+        kwargs: dict[str, Any] = {
+            "QueueUrl": self.queue_url,
+            "MaxNumberOfMessages": max_messages,
+            "WaitTimeSeconds": wait_seconds,
+            "MessageSystemAttributeNames": RECEIVE_ATTRIBUTES,
+        }
+        if visibility_timeout:
+            kwargs["VisibilityTimeout"] = visibility_timeout
+        try:
+            resp = await self._client.receive_message(**kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise TransientError(f"ReceiveMessage failed: {exc}") from exc
+        out = []
+        for m in resp.get("Messages", []):
+            attrs = m.get("Attributes", {})
+            sent = attrs.get("SentTimestamp")
+            out.append(
+                Received(
+                    message_id=m["MessageId"],
+                    receipt_handle=m["ReceiptHandle"],
+                    body=m["Body"],
+                    receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
+                    sent_timestamp=int(sent) / 1000.0 if sent else None,
+                    group_id=attrs.get("MessageGroupId"),
+                )
+            )
+        return out
+
+    async def delete_batch(self, messages: Sequence[Received]) -> None:
+        """Delete up to any number of messages, 10 per call. Raises AckFailed on any failure."""
+        for start in range(0, len(messages), 10):
+            chunk = messages[start : start + 10]
+            entries = [
+                {"Id": str(i), "ReceiptHandle": m.receipt_handle} for i, m in enumerate(chunk)
+            ]
+            try:
+                resp = await self._client.delete_message_batch(
+                    QueueUrl=self.queue_url, Entries=entries
+                )
+            except (ClientError, BotoCoreError) as exc:
+                raise AckFailed([m.message_id for m in chunk], str(exc)) from exc
+            failed = resp.get("Failed") or []
+            if failed:
+                ids = [chunk[int(f["Id"])].message_id for f in failed]
+                detail = "; ".join(f"{f.get('Code')}: {f.get('Message', '')}" for f in failed)
+                raise AckFailed(ids, detail)
+
+    async def change_visibility_batch(self, changes: Sequence[tuple[Received, int]]) -> list[str]:
+        """Set visibility per message; returns the message ids whose change failed."""
+        failed_ids: list[str] = []
+        for start in range(0, len(changes), 10):
+            chunk = changes[start : start + 10]
+            entries = [
+                {"Id": str(i), "ReceiptHandle": m.receipt_handle, "VisibilityTimeout": int(t)}
+                for i, (m, t) in enumerate(chunk)
+            ]
+            try:
+                resp = await self._client.change_message_visibility_batch(
+                    QueueUrl=self.queue_url, Entries=entries
+                )
+            except (ClientError, BotoCoreError):
+                failed_ids.extend(m.message_id for m, _ in chunk)
+                continue
+            failed_ids.extend(chunk[int(f["Id"])][0].message_id for f in resp.get("Failed") or [])
+        return failed_ids
+
+    async def attributes(self) -> dict[str, str]:
+        try:
+            resp = await self._client.get_queue_attributes(
+                QueueUrl=self.queue_url, AttributeNames=["All"]
+            )
+        except (ClientError, BotoCoreError) as exc:
+            raise TransientError(f"GetQueueAttributes failed: {exc}") from exc
+        return dict(resp.get("Attributes", {}))
+
+    async def send(self, body: str, group_id: str | None = None) -> str:
+        kwargs: dict[str, Any] = {"QueueUrl": self.queue_url, "MessageBody": body}
+        if group_id is not None:
+            kwargs["MessageGroupId"] = group_id
+        resp = await self._client.send_message(**kwargs)
+        return str(resp["MessageId"])
+
+
+@contextlib.asynccontextmanager
+async def sqs_client(
+    region: str, endpoint_url: str | None, max_pool_connections: int = 50
+) -> AsyncIterator[Any]:
+    """An aiobotocore SQS client; credentials come from the standard AWS chain."""
+    session = get_session()
+    config = AioConfig(
+        max_pool_connections=max_pool_connections,
+        # A long poll holds the connection for up to 20 s.
+        read_timeout=40,
+        connect_timeout=5,
+        retries={"max_attempts": 3, "mode": "standard"},
+    )
+    async with session.create_client(
+        "sqs", region_name=region, endpoint_url=endpoint_url, config=config
+    ) as client:
+        yield client

@@ -1,0 +1,339 @@
+"""The database seam: claim, complete, dead-letter, release, heartbeats and GC (asyncpg)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+import asyncpg
+import orjson
+
+from service.errors import DatabaseUnavailable
+from service.messages import Message, Poison
+from service.sql import queries
+
+Q = queries()
+
+# Errors that mean "the database is not there", as opposed to a bad statement.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.TooManyConnectionsError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    request_id: str
+    claimed: bool
+    status: str | None  # of the existing row, when not claimed and visible
+    request_type: str | None
+    payload_sha256: str | None
+    owner: str | None
+    failures: int
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    completed: list[tuple[Message, dict[str, Any] | None]] = field(default_factory=list)
+    failed: list[tuple[Message, BaseException]] = field(default_factory=list)
+    lost: list[Message] = field(default_factory=list)  # claim collected by GC: not ours
+    blocked: list[Message] = field(default_factory=list)  # FIFO: behind a failure in its group
+    committed_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    sqs_message_id: str
+    body: str
+    reason: str
+    error: str | None
+    request_id: str | None
+    request_type: str | None
+    receive_count: int | None
+
+    @classmethod
+    def of_poison(cls, p: Poison) -> DeadLetter:
+        return cls(
+            p.raw.message_id, p.raw.body, p.reason, p.error, p.request_id, p.type,
+            p.raw.receive_count,
+        )
+
+    @classmethod
+    def of_message(cls, m: Message, reason: str, error: str) -> DeadLetter:
+        return cls(
+            m.raw.message_id, m.raw.body, reason, error, m.request_id, m.type,
+            m.raw.receive_count,
+        )
+
+
+HandlerCall = Callable[[Message, asyncpg.Connection], Awaitable[dict[str, Any] | None]]
+
+
+class StoreSeam(Protocol):
+    worker_id: str
+
+    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]: ...
+    async def apply(
+        self, messages: Sequence[Message], call: HandlerCall, fifo: bool
+    ) -> ApplyResult: ...
+    async def dead_letter(self, letters: Sequence[DeadLetter]) -> None: ...
+    async def release(self, request_ids: Sequence[str]) -> None: ...
+    async def record_failures(
+        self, failures: Sequence[tuple[Message, str]], max_failures: int
+    ) -> dict[str, int]: ...
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _wrap_connection_errors(exc: BaseException) -> BaseException:
+    if isinstance(exc, CONNECTION_ERRORS):
+        return DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
+    return exc
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for typ in ("jsonb", "json"):
+        await conn.set_type_codec(
+            typ, encoder=lambda v: orjson.dumps(v).decode(), decoder=orjson.loads,
+            schema="pg_catalog",
+        )
+
+
+async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
+    return await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=size,
+        init=_init_connection,
+        command_timeout=60,
+        # Statements are prepared per connection and reused (asyncpg's statement cache).
+        max_inactive_connection_lifetime=300,
+    )
+
+
+class Store:
+    """PostgreSQL side of the pipeline. Every method is one short transaction."""
+
+    def __init__(self, pool: asyncpg.Pool, worker_id: str | None = None) -> None:
+        self.pool = pool
+        self.worker_id = worker_id or new_worker_id()
+
+    # -- workers -----------------------------------------------------------------------
+
+    async def register_worker(self, name: str) -> None:
+        async with self.pool.acquire() as conn:
+            await conn.execute(
+                Q["register_worker"], self.worker_id, name, socket.gethostname(), os.getpid()
+            )
+
+    async def heartbeat(self) -> bool:
+        """False when this worker was marked stopped (its claims may be collected)."""
+        async with self.pool.acquire() as conn:
+            return await conn.fetchval(Q["heartbeat"], self.worker_id) is not None
+
+    async def stop_worker(self) -> int:
+        """Release every claim still held and mark this worker stopped."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            released = await conn.fetch(
+                "DELETE FROM modifications WHERE owner = $1 AND status = 'IN_PROGRESS'"
+                " RETURNING request_id",
+                self.worker_id,
+            )
+            await conn.execute(Q["stop_worker"], self.worker_id)
+        return len(released)
+
+    async def gc(
+        self, lease_seconds: float, name: str | None = None, started_before: datetime | None = None
+    ) -> list[asyncpg.Record]:
+        """Release claims of dead workers. Never touches a claim of a live worker."""
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(
+                Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
+            )
+            await conn.execute(Q["prune_workers"])
+            return list(rows)
+
+    async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(Q["gc_own_leaks"], self.worker_id, list(holding))
+            return [r["request_id"] for r in rows]
+
+    async def ping(self) -> None:
+        async with self.pool.acquire(timeout=5) as conn:
+            await conn.fetchval("SELECT 1")
+
+    # -- the pipeline ------------------------------------------------------------------
+
+    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+        ordered = sorted(messages, key=lambda m: m.request_id)
+        try:
+            async with self.pool.acquire() as conn:
+                rows = await conn.fetch(
+                    Q["claim"],
+                    [m.request_id for m in ordered],
+                    [m.type for m in ordered],
+                    [orjson.dumps(m.payload_json).decode() for m in ordered],
+                    [m.payload_sha256 for m in ordered],
+                    [m.raw.message_id for m in ordered],
+                    [m.sent_at for m in ordered],
+                    self.worker_id,
+                )
+        except CONNECTION_ERRORS as exc:
+            raise _wrap_connection_errors(exc) from exc
+        return {
+            r["request_id"]: ClaimResult(
+                r["request_id"], r["claimed"], r["status"], r["request_type"],
+                r["payload_sha256"], r["owner"], r["failures"],
+            )
+            for r in rows
+        }
+
+    async def apply(
+        self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False
+    ) -> ApplyResult:
+        """Run handlers and mark COMPLETED in one transaction, fenced on ``owner``.
+
+        A handler that raises is taken out and the transaction is run again without it
+        (and, on a FIFO queue, without the later messages of its group), so one bad
+        message never rolls back its neighbours' effects for good.
+        """
+        import time
+
+        result = ApplyResult()
+        todo = list(messages)
+        try:
+            async with self.pool.acquire() as conn:
+                while todo:
+                    failed_at: tuple[Message, BaseException] | None = None
+                    try:
+                        async with conn.transaction():
+                            held = {
+                                r["request_id"]
+                                for r in await conn.fetch(
+                                    Q["fence"], [m.request_id for m in todo], self.worker_id
+                                )
+                            }
+                            lost = [m for m in todo if m.request_id not in held]
+                            live = [m for m in todo if m.request_id in held]
+                            outputs: list[dict[str, Any] | None] = []
+                            for m in live:
+                                try:
+                                    outputs.append(await call(m, conn))
+                                except CONNECTION_ERRORS:
+                                    raise
+                                except Exception as exc:
+                                    failed_at = (m, exc)
+                                    raise _Rollback() from exc
+                            if live:
+                                done = await conn.fetch(
+                                    Q["complete"],
+                                    [m.request_id for m in live],
+                                    [orjson.dumps(o).decode() if o is not None else None
+                                     for o in outputs],
+                                    self.worker_id,
+                                )
+                                if len(done) != len(live):
+                                    # Cannot happen while the fence locks hold; be loud if it does.
+                                    raise RuntimeError("fenced completion lost rows under lock")
+                                retried = [m.request_id for m in live if _had_failures(m)]
+                                if retried:
+                                    await conn.execute(Q["clear_attempts"], retried)
+                    except _Rollback:
+                        assert failed_at is not None
+                        bad, exc = failed_at
+                        result.failed.append((bad, exc))
+                        todo.remove(bad)
+                        if fifo and bad.raw.group_id is not None:
+                            idx_after = [m for m in todo if m.raw.group_id == bad.raw.group_id
+                                         and messages.index(m) > messages.index(bad)]
+                            for m in idx_after:
+                                todo.remove(m)
+                            result.blocked.extend(idx_after)
+                        continue
+                    result.completed.extend(zip(live, outputs, strict=True))
+                    result.lost.extend(lost)
+                    result.committed_at = time.time()
+                    break
+        except CONNECTION_ERRORS as exc:
+            raise _wrap_connection_errors(exc) from exc
+        return result
+
+    async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
+        if not letters:
+            return
+        try:
+            async with self.pool.acquire() as conn:
+                await conn.execute(Q["dead_letter"], *_dead_letter_args(letters))
+        except CONNECTION_ERRORS as exc:
+            raise _wrap_connection_errors(exc) from exc
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        if not request_ids:
+            return
+        try:
+            async with self.pool.acquire() as conn:
+                await conn.execute(Q["release"], list(request_ids), self.worker_id)
+        except CONNECTION_ERRORS as exc:
+            raise _wrap_connection_errors(exc) from exc
+
+    async def record_failures(
+        self, failures: Sequence[tuple[Message, str]], max_failures: int
+    ) -> dict[str, int]:
+        """Release the claims of failed messages and count the failure.
+
+        Messages that reached ``max_failures`` are dead-lettered in the same transaction.
+        Returns request_id → failures so far.
+        """
+        if not failures:
+            return {}
+        ids = [m.request_id for m, _ in failures]
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                await conn.execute(Q["release"], ids, self.worker_id)
+                rows = await conn.fetch(Q["record_failures"], ids, [e for _, e in failures])
+                counts = {r["request_id"]: r["failures"] for r in rows}
+                exhausted = [
+                    DeadLetter.of_message(m, "max_receives_exceeded", err)
+                    for m, err in failures
+                    if counts[m.request_id] >= max_failures
+                ]
+                if exhausted:
+                    await conn.execute(Q["dead_letter"], *_dead_letter_args(exhausted))
+                    await conn.execute(
+                        Q["clear_attempts"], [d.request_id for d in exhausted]
+                    )
+                return counts
+        except CONNECTION_ERRORS as exc:
+            raise _wrap_connection_errors(exc) from exc
+
+
+class _Rollback(Exception):
+    """Internal: roll the completing transaction back after a handler failed."""
+
+
+def _had_failures(m: Message) -> bool:
+    return m.failures > 0
+
+
+def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:
+    return [
+        [d.sqs_message_id for d in letters],
+        [d.body for d in letters],
+        [d.reason for d in letters],
+        [d.error for d in letters],
+        [d.request_id for d in letters],
+        [d.request_type for d in letters],
+        [d.receive_count for d in letters],
+    ]

@@ -1,0 +1,599 @@
+"""The loop: long-poll receivers, bounded in-flight batches, ack only after commit.
+
+One batch goes through::
+
+    parse ─► dead-letter poison ─► claim (one statement) ─► apply + complete (one txn)
+          ─► record failures ─► DeleteMessageBatch (acks) ─► ChangeMessageVisibilityBatch
+
+Every message of a batch ends in exactly one of: acked (its outcome is committed) or
+released (visibility set so it comes back). Nothing is acked before the commit that made
+its outcome durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import asyncpg
+import structlog
+
+from service import metrics
+from service.errors import AckFailed, DatabaseUnavailable, TransientError
+from service.handlers import Registry
+from service.handlers import _request_id as request_id_var
+from service.messages import Message, Poison, Received, parse
+from service.settings import SQS_MAX_VISIBILITY, Settings
+from service.sqs import QueueSeam
+from service.store import ApplyResult, ClaimResult, DeadLetter, Store
+
+log = structlog.get_logger("sqs_ingest.worker")
+
+EXIT_OK, EXIT_FATAL, EXIT_ACK_FAILED = 0, 1, 3
+INVALID_TYPE_LABEL = "_invalid"
+
+
+class Worker:
+    """Runs ``settings.pollers`` receive loops and processes what they bring.
+
+    Stop semantics (see ``request_stop``): receiving stops at once; batches in flight
+    finish and ack within ``shutdown_timeout``; long polls already in flight are allowed
+    to return and whatever they bring is released (visibility 0) rather than hidden for
+    a whole visibility timeout. Anything still running at the deadline is cancelled and
+    released.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        queue: QueueSeam,
+        store: Store,
+        registry: Registry,
+        *,
+        visibility_timeout: int = 30,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.s = settings
+        self.queue = queue
+        self.store = store
+        self.registry = registry
+        self.visibility_timeout = visibility_timeout
+        self.rng = rng
+        self.started_at = time.time()
+        self.exit_code = EXIT_OK
+        self.schema_ok = True
+        self._stop = asyncio.Event()
+        self._done = asyncio.Event()
+        self._db_up = asyncio.Event()
+        self._db_up.set()
+        self._sqs_ok = True
+        self._slots = asyncio.Semaphore(settings.inflight_limit)
+        self._pollers: list[asyncio.Task[None]] = []
+        self._batches: set[asyncio.Task[None]] = set()
+        self._background: list[asyncio.Task[None]] = []
+        self._probe: asyncio.Task[None] | None = None
+        self._holding: collections.Counter[str] = collections.Counter()
+        self._oldest_sent: float | None = None
+        self._forced = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """First SIGTERM/SIGINT: drain. A second one: force."""
+        if self._stop.is_set():
+            self._forced = True
+            log.warning("forced_shutdown")
+            self._done.set()
+            return
+        log.info("shutdown_requested", in_flight_batches=len(self._batches))
+        self._stop.set()
+        self._done.set()
+
+    def _fatal(self, code: int, reason: str, **kw: Any) -> None:
+        if self.exit_code == EXIT_OK:
+            self.exit_code = code
+            log.error("fatal", reason=reason, exit_code=code, **kw)
+        self._stop.set()
+        self._done.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def run(self) -> int:
+        await self._gc_once()
+        self._pollers = [
+            asyncio.create_task(self._poll_loop(i), name=f"poller-{i}")
+            for i in range(self.s.pollers)
+        ]
+        for t in self._pollers:
+            t.add_done_callback(self._poller_exited)
+        self._background = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._gc_loop(), name="gc"),
+            asyncio.create_task(self._queue_attributes_loop(), name="queue-attributes"),
+        ]
+        log.info(
+            "worker_started", worker_id=self.store.worker_id, pollers=self.s.pollers,
+            inflight_batches=self.s.inflight_limit, visibility_timeout=self.visibility_timeout,
+            fifo=self.s.is_fifo, handlers=self.registry.types(),
+        )
+        await self._done.wait()
+        await self._shutdown()
+        return self.exit_code
+
+    def _poller_exited(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self.stopping:
+            return
+        exc = task.exception()
+        self._fatal(EXIT_FATAL, "poller_died", poller=task.get_name(), error=repr(exc))
+
+    async def _shutdown(self) -> None:
+        deadline = time.monotonic() + self.s.shutdown_timeout
+        if self.exit_code != EXIT_OK or self._forced:
+            deadline = time.monotonic()  # ack failure or second signal: no drain
+        for t in self._background:
+            t.cancel()
+        if self._probe:
+            self._probe.cancel()
+        while True:
+            pending = [t for t in (*self._pollers, *self._batches) if not t.done()]
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0 or self._forced:
+                break
+            await asyncio.wait(
+                pending + [asyncio.ensure_future(self._forced_wait())],
+                timeout=remaining, return_when=asyncio.FIRST_COMPLETED,
+            )
+        stuck = [t for t in (*self._pollers, *self._batches) if not t.done()]
+        if stuck:
+            log.warning("shutdown_deadline_cancelling", tasks=[t.get_name() for t in stuck])
+            for t in stuck:
+                t.cancel()
+            # Cancelled batches release their messages (shielded); give that a bound.
+            await asyncio.wait(stuck, timeout=10)
+        await asyncio.gather(*self._background, return_exceptions=True)
+        try:
+            released = await asyncio.wait_for(self.store.stop_worker(), timeout=5)
+            if released:
+                log.info("claims_released_at_stop", count=released)
+        except (DatabaseUnavailable, TimeoutError, OSError, asyncpg.PostgresError) as exc:
+            log.warning("stop_worker_failed", error=str(exc))
+        if self._forced and self.exit_code == EXIT_OK:
+            self.exit_code = EXIT_FATAL
+        log.info("worker_stopped", exit_code=self.exit_code)
+
+    async def _forced_wait(self) -> None:
+        while not self._forced:
+            await asyncio.sleep(0.1)
+
+    # -- health ------------------------------------------------------------------------
+
+    def liveness(self) -> tuple[bool, dict[str, object]]:
+        dead = [t.get_name() for t in self._pollers if t.done()]
+        ok = self.stopping or not dead
+        return ok, {"dead_pollers": dead}
+
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        detail: dict[str, object] = {
+            "database": self._db_up.is_set(),
+            "schema": self.schema_ok,
+            "sqs": self._sqs_ok,
+            "draining": self.stopping,
+        }
+        return (self._db_up.is_set() and self.schema_ok and self._sqs_ok and not self.stopping,
+                detail)
+
+    # -- receiving ---------------------------------------------------------------------
+
+    async def _poll_loop(self, index: int) -> None:
+        backoff = 0.5
+        while not self.stopping:
+            if not self._db_up.is_set():
+                # Don't take messages we cannot persist.
+                await _wait_any(self._db_up, self._stop)
+                continue
+            await self._slots.acquire()
+            if self.stopping:
+                self._slots.release()
+                break
+            try:
+                batch = await self.queue.receive(
+                    10, self.s.wait_time_seconds, self.visibility_timeout
+                )
+            except TransientError as exc:
+                self._slots.release()
+                self._sqs_ok = False
+                metrics.sqs_errors.labels("receive").inc()
+                log.warning("receive_failed", error=str(exc), retry_in=round(backoff, 2))
+                await _sleep_or_stop(backoff, self._stop)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self._sqs_ok = True
+            backoff = 0.5
+            if not batch:
+                self._slots.release()
+                continue
+            metrics.messages_received.inc(len(batch))
+            self._note_sent(batch)
+            if self.stopping:
+                # A poll that was in flight at SIGTERM: hand its messages straight back.
+                self._slots.release()
+                await self._change_visibility([(m, 0) for m in batch])
+                log.info("released_after_stop", count=len(batch))
+                break
+            task = asyncio.create_task(self._run_batch(batch), name=f"batch-{batch[0].message_id}")
+            self._batches.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._batches.discard(task)
+        self._slots.release()
+
+    def _note_sent(self, batch: Sequence[Received]) -> None:
+        sent = [m.sent_timestamp for m in batch if m.sent_timestamp]
+        if sent:
+            oldest = min(sent)
+            if self._oldest_sent is None or oldest < self._oldest_sent:
+                self._oldest_sent = oldest
+
+    # -- one batch ---------------------------------------------------------------------
+
+    async def _run_batch(self, batch: list[Received]) -> None:
+        started = time.monotonic()
+        unresolved: dict[str, Received] = {m.message_id: m for m in batch}
+        claimed: list[str] = []
+        metrics.in_flight.inc(len(batch))
+        extender = asyncio.create_task(self._extend_visibility(unresolved), name="extender")
+        try:
+            await self._process(batch, unresolved, claimed)
+        except AckFailed as exc:
+            metrics.ack_failures.inc(len(exc.message_ids))
+            # Exit 3 on purpose: the outcome is committed but the message stays on the
+            # queue. Carrying on would leave an orphan whose redelivery could double-apply;
+            # a restart runs orphan GC and redelivery resolves as a duplicate.
+            self._fatal(EXIT_ACK_FAILED, "ack_failed", message_ids=exc.message_ids,
+                        error=exc.detail)
+        except DatabaseUnavailable as exc:
+            self._db_down(exc)
+            await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abandon(unresolved, claimed, 0))
+            raise
+        except Exception as exc:
+            log.exception("batch_failed", error=repr(exc))
+            await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
+        finally:
+            extender.cancel()
+            for rid in claimed:
+                self._holding[rid] -= 1
+                if self._holding[rid] <= 0:
+                    del self._holding[rid]
+            metrics.in_flight.dec(len(batch))
+            metrics.batch_duration.observe(time.monotonic() - started)
+
+    async def _process(
+        self, batch: list[Received], unresolved: dict[str, Received], claimed: list[str]
+    ) -> None:
+        acks: list[Received] = []
+        releases: list[tuple[Received, int]] = []
+        outcomes: list[tuple[str, str]] = []
+        letters: list[DeadLetter] = []
+
+        primaries: dict[str, Message] = {}
+        twins: list[Message] = []
+        for raw in batch:
+            item = parse(raw, self.registry)
+            if isinstance(item, Poison):
+                letters.append(DeadLetter.of_poison(item))
+                log.warning("poison_message", message_id=raw.message_id,
+                            request_id=item.request_id, reason=item.reason, error=item.error)
+            elif item.request_id in primaries:
+                twins.append(item)
+            else:
+                primaries[item.request_id] = item
+
+        if primaries:
+            for rid in primaries:
+                self._holding[rid] += 1
+                claimed.append(rid)
+            claims = await self.store.claim(list(primaries.values()))
+            to_apply = self._classify(primaries, claims, letters, acks, releases, outcomes)
+        else:
+            to_apply = []
+
+        # Poison and reused keys are durable before anything is acked.
+        if letters:
+            await self.store.dead_letter(letters)
+            by_id = {m.message_id: m for m in batch}
+            for d in letters:
+                acks.append(by_id[d.sqs_message_id])
+                outcomes.append((self._label(d.request_type), "dead_lettered"))
+                metrics.dead_letters.labels(d.reason).inc()
+
+        if to_apply:
+            res = await self.store.apply(to_apply, self._call_handler, fifo=self.s.is_fifo)
+            await self._settle(res, acks, releases, outcomes)
+
+        for m in twins:
+            # Same request_id twice in one batch: decide on it after the first copy's
+            # outcome is on record, i.e. on its next delivery.
+            releases.append((m.raw, self._contention_delay()))
+
+        if acks:
+            await self.queue.delete_batch(acks)
+            for m in acks:
+                unresolved.pop(m.message_id, None)
+        for type_, outcome in outcomes:
+            metrics.messages_processed.labels(type_, outcome).inc()
+        if releases:
+            await self._change_visibility(releases)
+            for m, _ in releases:
+                unresolved.pop(m.message_id, None)
+
+    def _classify(
+        self,
+        primaries: dict[str, Message],
+        claims: dict[str, ClaimResult],
+        letters: list[DeadLetter],
+        acks: list[Received],
+        releases: list[tuple[Received, int]],
+        outcomes: list[tuple[str, str]],
+    ) -> list[Message]:
+        to_apply: list[Message] = []
+        blocked_groups: set[str] = set()
+        fifo = self.s.is_fifo
+        for m in primaries.values():  # batch order: FIFO order within a group
+            c = claims[m.request_id]
+            group = m.raw.group_id
+            if fifo and group is not None and group in blocked_groups:
+                releases.append((m.raw, 0))
+                continue
+            if c.claimed:
+                m.failures = c.failures
+                to_apply.append(m)
+                continue
+            if c.status is not None and (
+                c.payload_sha256 != m.payload_sha256 or c.request_type != m.type
+            ):
+                letters.append(DeadLetter.of_message(
+                    m, "idempotency_key_reused",
+                    f"request_id already used with payload_sha256={c.payload_sha256} "
+                    f"type={c.request_type}",
+                ))
+                log.warning("idempotency_key_reused", message_id=m.raw.message_id,
+                            request_id=m.request_id)
+            elif c.status == "COMPLETED":
+                acks.append(m.raw)
+                outcomes.append((m.type, "duplicate"))
+            else:
+                # IN_PROGRESS under another owner (or committed after our snapshot): come
+                # back after it finished. Not a failure: does not count towards the limit.
+                releases.append((m.raw, self._contention_delay()))
+                metrics.contention_deferrals.inc()
+                if fifo and group is not None:
+                    blocked_groups.add(group)
+        return to_apply
+
+    async def _call_handler(self, m: Message, conn: asyncpg.Connection) -> dict[str, Any] | None:
+        spec = self.registry.get(m.type)
+        assert spec is not None  # parse() guarantees it
+        token = request_id_var.set(m.request_id)
+        try:
+            with structlog.contextvars.bound_contextvars(
+                message_id=m.raw.message_id, request_id=m.request_id
+            ):
+                return await spec.fn(m.payload, conn)
+        finally:
+            request_id_var.reset(token)
+
+    async def _settle(
+        self,
+        res: ApplyResult,
+        acks: list[Received],
+        releases: list[tuple[Received, int]],
+        outcomes: list[tuple[str, str]],
+    ) -> None:
+        for m, _ in res.completed:
+            acks.append(m.raw)
+            outcomes.append((m.type, "completed"))
+            if m.raw.sent_timestamp:
+                metrics.message_lag.observe(max(0.0, res.committed_at - m.raw.sent_timestamp))
+        for m in res.lost:
+            log.warning("claim_lost", message_id=m.raw.message_id, request_id=m.request_id)
+            releases.append((m.raw, self._contention_delay()))
+        if res.blocked:
+            await self.store.release([m.request_id for m in res.blocked])
+            releases.extend((m.raw, 0) for m in res.blocked)
+        if res.failed:
+            failures = [(m, _describe(exc)) for m, exc in res.failed]
+            counts = await self.store.record_failures(failures, self.s.max_receive_count)
+            for m, err in failures:
+                n = counts[m.request_id]
+                if n >= self.s.max_receive_count:
+                    acks.append(m.raw)
+                    outcomes.append((m.type, "dead_lettered"))
+                    metrics.dead_letters.labels("max_receives_exceeded").inc()
+                    log.error("dead_lettered_after_retries", message_id=m.raw.message_id,
+                              request_id=m.request_id, failures=n, error=err)
+                else:
+                    delay = self._backoff(m.raw.receive_count)
+                    releases.append((m.raw, delay))
+                    outcomes.append((m.type, "retried"))
+                    log.warning("handler_failed", message_id=m.raw.message_id,
+                                request_id=m.request_id, failures=n, retry_in=delay, error=err)
+
+    # -- visibility --------------------------------------------------------------------
+
+    def _backoff(self, receive_count: int) -> int:
+        base = self.s.retry_base_seconds * (2 ** max(0, receive_count - 1))
+        return self._jittered(min(self.s.retry_max_seconds, base))
+
+    def _contention_delay(self) -> int:
+        return max(1, self._jittered(self.s.contention_delay))
+
+    def _jittered(self, seconds: float) -> int:
+        # "Equal jitter": half fixed, half random, so replicas spread out but never retry at 0.
+        return min(SQS_MAX_VISIBILITY, math.ceil(seconds / 2 + self.rng() * seconds / 2))
+
+    async def _change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
+        failed = await self.queue.change_visibility_batch(changes)
+        if failed:
+            # Not fatal: the message reappears when its current visibility runs out.
+            metrics.sqs_errors.labels("change_visibility").inc(len(failed))
+            log.warning("change_visibility_failed", message_ids=failed)
+
+    async def _extend_visibility(self, unresolved: dict[str, Received]) -> None:
+        vt = self.visibility_timeout
+        total = vt
+        while True:
+            await asyncio.sleep(vt / 2)
+            if not unresolved:
+                return
+            if total + vt > SQS_MAX_VISIBILITY:
+                log.warning("visibility_cap_reached", message_ids=list(unresolved))
+                return
+            # From now, the message stays hidden for another full timeout.
+            changes = [(m, vt) for m in list(unresolved.values())]
+            await self._change_visibility(changes)
+            total += vt // 2
+            metrics.visibility_extensions.inc(len(changes))
+            log.info("visibility_extended", count=len(changes), seconds=vt)
+
+    async def _abandon(
+        self, unresolved: dict[str, Received], claimed: list[str], delay: int
+    ) -> None:
+        """Give back what this batch could not finish: claims released, messages visible."""
+        if not unresolved:
+            return
+        if claimed and self._db_up.is_set():
+            try:
+                await self.store.release(claimed)
+            except (DatabaseUnavailable, asyncpg.PostgresError, OSError) as exc:
+                # The periodic own-leak GC releases them once the database is back.
+                log.warning("release_failed", error=str(exc))
+        try:
+            await self._change_visibility([(m, delay) for m in unresolved.values()])
+        except Exception as exc:  # the message comes back by itself after the timeout
+            log.warning("abandon_visibility_failed", error=repr(exc))
+        unresolved.clear()
+
+    # -- database outages --------------------------------------------------------------
+
+    def _db_down(self, exc: BaseException) -> None:
+        if not self._db_up.is_set():
+            return
+        self._db_up.clear()
+        metrics.db_errors.inc()
+        log.error("database_unavailable", error=str(exc))
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_db(), name="db-probe")
+
+    async def _probe_db(self) -> None:
+        delay = 0.5
+        while not self.stopping:
+            await _sleep_or_stop(delay, self._stop)
+            try:
+                await self.store.ping()
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                metrics.db_errors.inc()
+                log.warning("database_still_unavailable", error=str(exc),
+                            retry_in=round(delay, 2))
+                delay = min(delay * 2, 10.0)
+                continue
+            log.info("database_available")
+            self._db_up.set()
+            await self._gc_once()
+            return
+
+    # -- background loops --------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = max(0.2, self.s.worker_lease / 3)
+        while True:
+            await asyncio.sleep(interval)
+            if not self._db_up.is_set():
+                continue
+            try:
+                await self.store.heartbeat()
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                self._db_down(exc)
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.gc_interval)
+            if self._db_up.is_set():
+                await self._gc_once()
+
+    async def _gc_once(self) -> None:
+        try:
+            rows = await self.store.gc(
+                self.s.worker_lease,
+                self.s.worker_name or None,
+                _utc(self.started_at),
+            )
+            leaks = await self.store.gc_own_leaks(list(self._holding))
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            self._db_down(exc)
+            return
+        for r in rows:
+            log.warning("orphan_released", request_id=r["request_id"], owner=r["owner"],
+                        message_id=r["sqs_message_id"])
+        if rows:
+            metrics.orphans_collected.inc(len(rows))
+        if leaks:
+            log.info("own_stale_claims_released", count=len(leaks))
+
+    async def _queue_attributes_loop(self) -> None:
+        while True:
+            try:
+                attrs = await self.queue.attributes()
+                self._sqs_ok = True
+            except TransientError as exc:
+                self._sqs_ok = False
+                metrics.sqs_errors.labels("get_queue_attributes").inc()
+                log.warning("queue_attributes_failed", error=str(exc))
+            else:
+                visible = int(attrs.get("ApproximateNumberOfMessages", "0"))
+                metrics.queue_visible.set(visible)
+                metrics.queue_not_visible.set(int(attrs.get("ApproximateNumberOfMessagesNotVisible", "0")))
+                if self._oldest_sent is not None:
+                    metrics.queue_oldest_age.set(max(0.0, time.time() - self._oldest_sent))
+                elif visible == 0:
+                    metrics.queue_oldest_age.set(0)
+                self._oldest_sent = None
+            await asyncio.sleep(self.s.queue_attributes_interval)
+
+    def _label(self, type_: str | None) -> str:
+        return type_ if type_ is not None and type_ in self.registry else INVALID_TYPE_LABEL
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def _utc(ts: float) -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ts, UTC)
+
+
+async def _wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+async def _sleep_or_stop(seconds: float, stop: asyncio.Event) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass

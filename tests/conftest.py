@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+import boto3
+import pytest
+
+from tests.servers import Postgres, moto_server, postgres_server
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+TEMPLATE_DB = "ingest_template"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Postgres]:
+    with postgres_server() as pg:
+        import asyncio
+
+        from service.migrate import migrate
+
+        async def make_template() -> None:
+            conn = await asyncpg.connect(pg.dsn())
+            try:
+                await conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+            finally:
+                await conn.close()
+            await migrate(pg.dsn(TEMPLATE_DB))
+
+        asyncio.run(make_template())
+        yield pg
+
+
+@pytest.fixture
+async def database_url(pg_server: Postgres) -> AsyncIterator[str]:
+    """A fresh, migrated database per test, copied from the template."""
+    name = "t_" + uuid.uuid4().hex[:12]
+    conn = await asyncpg.connect(pg_server.dsn())
+    try:
+        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
+    finally:
+        await conn.close()
+    yield pg_server.dsn(name)
+    conn = await asyncpg.connect(pg_server.dsn())
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture(scope="session")
+def sqs_endpoint() -> Iterator[str]:
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def sqs_client(sqs_endpoint: str):  # type: ignore[no-untyped-def]
+    return boto3.client("sqs", endpoint_url=sqs_endpoint, region_name="us-east-1")
+
+
+@pytest.fixture
+def queue_url(sqs_client) -> str:  # type: ignore[no-untyped-def]
+    """A fresh standard queue per test (PurgeQueue is rate-limited)."""
+    name = "q-" + uuid.uuid4().hex[:12]
+    return str(sqs_client.create_queue(QueueName=name, Attributes={"VisibilityTimeout": "30"})["QueueUrl"])
+
+
+@pytest.fixture
+def fifo_queue_url(sqs_client) -> str:  # type: ignore[no-untyped-def]
+    name = "q-" + uuid.uuid4().hex[:12] + ".fifo"
+    return str(
+        sqs_client.create_queue(
+            QueueName=name,
+            Attributes={"FifoQueue": "true", "ContentBasedDeduplication": "true", "VisibilityTimeout": "30"},
+        )["QueueUrl"]
+    )

@@ -1,0 +1,134 @@
+"""Real PostgreSQL and a real SQS emulator on loopback, started for the test session.
+
+Shared by the integration, acceptance and reconcile suites (and the benchmarks):
+a throwaway cluster from ``initdb`` and a ``moto_server``, each on a free port.
+Per-test databases are copied from a migrated template (``CREATE DATABASE … TEMPLATE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until truthy; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _pg_bin(name: str) -> str:
+    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (d / name).exists():
+            return str(d / name)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(f"PostgreSQL binary {name} not found (apt-get install postgresql)")
+    return found
+
+
+@dataclass
+class Postgres:
+    port: int
+    datadir: str
+    sockdir: str
+    user: str = "postgres"
+
+    def dsn(self, db: str = "postgres") -> str:
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{db}"
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("stop", "-m", mode)
+
+    def start(self) -> None:
+        self._ctl(
+            "start",
+            "-l",
+            os.path.join(self.datadir, "server.log"),
+            "-o",
+            f"-p {self.port} -k {self.sockdir} -c listen_addresses=127.0.0.1 -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300",
+        )
+
+    def _ctl(self, *args: str) -> None:
+        cmd = [_pg_bin("pg_ctl"), "-w", "-D", self.datadir, *args]
+        _run_as_postgres(cmd)
+
+
+def _run_as_postgres(cmd: list[str]) -> None:
+    if os.geteuid() == 0:
+        cmd = ["runuser", "-u", "postgres", "--", *cmd]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[Postgres]:
+    base = tempfile.mkdtemp(prefix="ingest-pg-")
+    datadir, sockdir = os.path.join(base, "data"), os.path.join(base, "sock")
+    os.makedirs(sockdir)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        for p in (base, sockdir):
+            os.chown(p, pw.pw_uid, pw.pw_gid)
+    user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+    _run_as_postgres([_pg_bin("initdb"), "-A", "trust", "-U", user, "-D", datadir])
+    pg = Postgres(port=free_port(), datadir=datadir, sockdir=sockdir, user=user)
+    pg.start()
+    try:
+        yield pg
+    finally:
+        with contextlib.suppress(Exception):
+            pg.stop("immediate")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    port = free_port()
+    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 30, "moto_server")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
