@@ -97,6 +97,12 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+#: What the worker treats as "the database call failed" (outage or server-side error).
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable, asyncpg.PostgresError, *CONNECTION_ERRORS
+)
+
+
 def _wrap_connection_errors(exc: BaseException) -> BaseException:
     if isinstance(exc, CONNECTION_ERRORS):
         return DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
@@ -171,34 +177,20 @@ class Store:
             return [r["request_id"] for r in rows]
 
     async def ping(self) -> None:
-        async with self.pool.acquire(timeout=5) as conn:
-            await conn.fetchval("SELECT 1")
+        try:
+            async with self.pool.acquire(timeout=5) as conn:
+                await conn.fetchval("SELECT 1")
+        except CONNECTION_ERRORS as exc:
+            raise _wrap_connection_errors(exc) from exc
 
     # -- the pipeline ------------------------------------------------------------------
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
-        ordered = sorted(messages, key=lambda m: m.request_id)
         try:
             async with self.pool.acquire() as conn:
-                rows = await conn.fetch(
-                    Q["claim"],
-                    [m.request_id for m in ordered],
-                    [m.type for m in ordered],
-                    [orjson.dumps(m.payload_json).decode() for m in ordered],
-                    [m.payload_sha256 for m in ordered],
-                    [m.raw.message_id for m in ordered],
-                    [m.sent_at for m in ordered],
-                    self.worker_id,
-                )
+                return await claim(conn, messages, self.worker_id)
         except CONNECTION_ERRORS as exc:
             raise _wrap_connection_errors(exc) from exc
-        return {
-            r["request_id"]: ClaimResult(
-                r["request_id"], r["claimed"], r["status"], r["request_type"],
-                r["payload_sha256"], r["owner"], r["failures"],
-            )
-            for r in rows
-        }
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False
@@ -317,6 +309,34 @@ class Store:
                 return counts
         except CONNECTION_ERRORS as exc:
             raise _wrap_connection_errors(exc) from exc
+
+
+async def claim(
+    conn: asyncpg.Connection, messages: Sequence[Message], owner: str
+) -> dict[str, ClaimResult]:
+    """Claim a batch in one statement: INSERT … ON CONFLICT (request_id) DO NOTHING.
+
+    The unique index decides the race: of two sessions inserting the same request_id,
+    the second waits for the first to commit and then inserts nothing.
+    """
+    ordered = sorted(messages, key=lambda m: m.request_id)
+    rows = await conn.fetch(
+        Q["claim"],
+        [m.request_id for m in ordered],
+        [m.type for m in ordered],
+        [orjson.dumps(m.payload_json).decode() for m in ordered],
+        [m.payload_sha256 for m in ordered],
+        [m.raw.message_id for m in ordered],
+        [m.sent_at for m in ordered],
+        owner,
+    )
+    return {
+        r["request_id"]: ClaimResult(
+            r["request_id"], r["claimed"], r["status"], r["request_type"],
+            r["payload_sha256"], r["owner"], r["failures"],
+        )
+        for r in rows
+    }
 
 
 class _Rollback(Exception):

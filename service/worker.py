@@ -30,7 +30,7 @@ from service.handlers import _request_id as request_id_var
 from service.messages import Message, Poison, Received, parse
 from service.settings import SQS_MAX_VISIBILITY, Settings
 from service.sqs import QueueSeam
-from service.store import ApplyResult, ClaimResult, DeadLetter, Store
+from service.store import DB_ERRORS, ApplyResult, ClaimResult, DeadLetter, Store
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -162,7 +162,7 @@ class Worker:
             released = await asyncio.wait_for(self.store.stop_worker(), timeout=5)
             if released:
                 log.info("claims_released_at_stop", count=released)
-        except (DatabaseUnavailable, TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        except DB_ERRORS as exc:
             log.warning("stop_worker_failed", error=str(exc))
         if self._forced and self.exit_code == EXIT_OK:
             self.exit_code = EXIT_FATAL
@@ -221,6 +221,12 @@ class Worker:
                 continue
             metrics.messages_received.inc(len(batch))
             self._note_sent(batch)
+            if not self._db_up.is_set() and not self.stopping:
+                # The database went away while this poll was in flight.
+                self._slots.release()
+                await self._change_visibility(
+                    [(m, self._jittered(self.s.retry_base_seconds)) for m in batch])
+                continue
             if self.stopping:
                 # A poll that was in flight at SIGTERM: hand its messages straight back.
                 self._slots.release()
@@ -474,7 +480,7 @@ class Worker:
         if claimed and self._db_up.is_set():
             try:
                 await self.store.release(claimed)
-            except (DatabaseUnavailable, asyncpg.PostgresError, OSError) as exc:
+            except DB_ERRORS as exc:
                 # The periodic own-leak GC releases them once the database is back.
                 log.warning("release_failed", error=str(exc))
         try:
@@ -500,7 +506,7 @@ class Worker:
             await _sleep_or_stop(delay, self._stop)
             try:
                 await self.store.ping()
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 metrics.db_errors.inc()
                 log.warning("database_still_unavailable", error=str(exc),
                             retry_in=round(delay, 2))
@@ -521,7 +527,7 @@ class Worker:
                 continue
             try:
                 await self.store.heartbeat()
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 self._db_down(exc)
 
     async def _gc_loop(self) -> None:
@@ -538,7 +544,7 @@ class Worker:
                 _utc(self.started_at),
             )
             leaks = await self.store.gc_own_leaks(list(self._holding))
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except DB_ERRORS as exc:
             self._db_down(exc)
             return
         for r in rows:

@@ -1,0 +1,289 @@
+"""The whole job against two real PostgreSQL databases, through ``cli.main``.
+
+Rows are inserted in the shape the daemon writes them; the tampering below plants one
+known discrepancy of each kind and the test expects exactly those, as literals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from service.messages import payload_hash
+from service.reconcile.cli import main
+
+pytestmark = pytest.mark.spark
+
+RUN_DATE = "2024-05-01"
+T0 = datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
+PASSWORD = "s3cret-pw"  # trust auth ignores it; it must never be printed
+
+
+def at(minutes: int) -> datetime:
+    return T0 + timedelta(minutes=minutes)
+
+
+# (request_id, type, payload, received_at); all COMPLETED one second after receipt.
+BASE_MODIFICATIONS: list[tuple[str, str, dict[str, Any], datetime]] = [
+    # History outside the window still defines ent-05's state.
+    ("u-05-1", "entity.upsert", {"entity_id": "ent-05", "version": 1, "data": {"n": 1}},
+     datetime(2024, 4, 1, 9, 0, tzinfo=UTC)),
+    ("u-01-1", "entity.upsert", {"entity_id": "ent-01", "version": 1, "data": {"n": 1}}, at(0)),
+    ("u-01-2", "entity.upsert", {"entity_id": "ent-01", "version": 2, "data": {"n": 2}}, at(1)),
+    ("u-02-1", "entity.upsert", {"entity_id": "ent-02", "version": 1, "data": {"n": 1}}, at(2)),
+    ("u-03-1", "entity.upsert", {"entity_id": "ent-03", "version": 1, "data": {"n": 1}}, at(3)),
+    ("d-03-2", "entity.delete", {"entity_id": "ent-03", "version": 2}, at(4)),
+    # A stale upsert: completed, but never applied.
+    ("u-01-0", "entity.upsert", {"entity_id": "ent-01", "version": 0, "data": {"n": 0}}, at(5)),
+    *[
+        (f"inv-{i}", "invoice.created", {"invoice": i, "amount": 10 * i}, at(10 + i))
+        for i in range(1, 6)
+    ],
+    ("req-status", "invoice.created", {"invoice": 99, "amount": 1}, at(20)),
+]
+# entity_id -> (version, deleted, data, request_id, updated_at)
+BASE_ENTITIES = {
+    "ent-01": (2, False, {"n": 2}, "u-01-2", at(1)),
+    "ent-02": (1, False, {"n": 1}, "u-02-1", at(2)),
+    "ent-03": (2, True, None, "d-03-2", at(4)),
+    "ent-05": (1, False, {"n": 1}, "u-05-1", datetime(2024, 4, 1, 9, 0, 1, tzinfo=UTC)),
+}
+
+EXPECTED_TAMPERED = [
+    ("stuck_in_progress", "req-stuck", None, "primary"),
+    ("stuck_in_progress", "req-stuck", None, "peer1"),
+    ("stuck_in_progress", "req-status", None, "peer1"),
+    ("status_mismatch", "req-status", None, "peer1"),
+    ("missing_in_peer", "inv-3", None, "peer1"),
+    ("missing_in_primary", "only-peer", None, "peer1"),
+    ("payload_mismatch", "inv-4", None, "peer1"),
+    ("entity_drift", "u-01-2", "ent-01", "primary"),
+    ("entity_drift", "u-02-1", "ent-02", "primary"),
+    ("entity_drift", "ghost-req", "ghost", "primary"),
+    ("entity_drift", "u-05-1", "ent-05", "peer1"),
+]
+EXPECTED_COUNTS = {
+    "stuck_in_progress": 3,
+    "missing_in_peer": 1,
+    "missing_in_primary": 1,
+    "status_mismatch": 1,
+    "payload_mismatch": 1,
+    "entity_drift": 4,
+}
+
+
+async def insert_modification(
+    conn: asyncpg.Connection,
+    request_id: str,
+    rtype: str,
+    payload: dict[str, Any],
+    received_at: datetime,
+    status: str = "COMPLETED",
+) -> None:
+    completed = received_at + timedelta(seconds=1) if status == "COMPLETED" else None
+    await conn.execute(
+        "INSERT INTO modifications (request_id, request_type, payload, payload_sha256, status,"
+        " sqs_message_id, owner, received_at, completed_at, result)"
+        " VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9, $10::jsonb)",
+        request_id,
+        rtype,
+        json.dumps(payload),
+        payload_hash(payload),
+        status,
+        f"msg-{request_id}",
+        "worker-a",
+        received_at,
+        completed,
+        None if completed is None else '{"applied": true}',
+    )
+
+
+async def seed(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        for rid, rtype, payload, received in BASE_MODIFICATIONS:
+            await insert_modification(conn, rid, rtype, payload, received)
+        for entity_id, (version, deleted, data, rid, updated) in BASE_ENTITIES.items():
+            await conn.execute(
+                "INSERT INTO entities (entity_id, version, deleted, data, request_id, updated_at)"
+                " VALUES ($1, $2, $3, $4::jsonb, $5, $6)",
+                entity_id,
+                version,
+                deleted,
+                None if data is None else json.dumps(data),
+                rid,
+                updated,
+            )
+    finally:
+        await conn.close()
+
+
+async def tamper(primary: str, peer: str) -> None:
+    p = await asyncpg.connect(primary)
+    q = await asyncpg.connect(peer)
+    try:
+        stuck = {"invoice": 42, "amount": 1}
+        for conn in (p, q):
+            await insert_modification(conn, "req-stuck", "invoice.created", stuck, at(120), "IN_PROGRESS")
+        await p.execute("UPDATE entities SET data = '{\"n\": 999}' WHERE entity_id = 'ent-01'")
+        await p.execute("DELETE FROM entities WHERE entity_id = 'ent-02'")
+        await p.execute(
+            "INSERT INTO entities (entity_id, version, deleted, data, request_id, updated_at)"
+            " VALUES ('ghost', 1, false, '{\"g\": 1}', 'ghost-req', $1)",
+            at(121),
+        )
+        await q.execute(
+            "UPDATE modifications SET status = 'IN_PROGRESS', completed_at = NULL, result = NULL"
+            " WHERE request_id = 'req-status'"
+        )
+        await q.execute("DELETE FROM modifications WHERE request_id = 'inv-3'")
+        await insert_modification(q, "only-peer", "invoice.created", {"invoice": 7}, at(30))
+        forged = {"invoice": 4, "amount": 4000}
+        await q.execute(
+            "UPDATE modifications SET payload = $1::jsonb, payload_sha256 = $2"
+            " WHERE request_id = 'inv-4'",
+            json.dumps(forged),
+            payload_hash(forged),
+        )
+        await q.execute("UPDATE entities SET version = 7 WHERE entity_id = 'ent-05'")
+    finally:
+        await p.close()
+        await q.close()
+
+
+def with_password(dsn: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:{PASSWORD}@{parts.hostname}:{parts.port}"))
+
+
+async def reconcile(primary: str, peer: str, *extra: str) -> int:
+    argv = [
+        "--date", RUN_DATE,
+        "--database-url", with_password(primary),
+        "--peer-url", with_password(peer),
+        "--partitions", "3",
+        *extra,
+    ]  # fmt: skip
+    return await asyncio.to_thread(main, argv)
+
+
+async def stored(dsn: str) -> tuple[list[Any], list[tuple[Any, ...]]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        runs = await conn.fetch(
+            "SELECT run_id, run_date, status, counts, window_start, window_end"
+            " FROM reconciliation_runs ORDER BY run_id"
+        )
+        disc = await conn.fetch(
+            "SELECT run_id, kind, request_id, entity_id, source, details"
+            " FROM reconciliation_discrepancies"
+        )
+    finally:
+        await conn.close()
+    return list(runs), [tuple(r) for r in disc]
+
+
+class _Pushgateway(BaseHTTPRequestHandler):
+    received: list[tuple[str, str, bytes]] = []
+
+    def _record(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.received.append((self.command, self.path, body))
+        self.send_response(200)
+        self.end_headers()
+
+    do_PUT = do_POST = _record
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def pushgateway() -> Iterator[tuple[str, list[tuple[str, str, bytes]]]]:
+    received: list[tuple[str, str, bytes]] = []
+    handler = type("Handler", (_Pushgateway,), {"received": received})
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", received
+    server.shutdown()
+    server.server_close()
+
+
+async def test_clean_databases_exit_zero(
+    spark, database_url: str, peer_url: str, pushgateway, capfd  # type: ignore[no-untyped-def]
+) -> None:
+    await seed(database_url)
+    await seed(peer_url)
+    gateway, pushes = pushgateway
+
+    assert await reconcile(database_url, peer_url, "--pushgateway", gateway) == 0
+
+    out, err = capfd.readouterr()
+    assert PASSWORD not in out and PASSWORD not in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"] == "clean"
+    assert summary["counts"] == dict.fromkeys(EXPECTED_COUNTS, 0)
+    assert summary["window_start"] == "2024-04-30T00:00:00+00:00"
+    assert summary["window_end"] == "2024-05-02T00:00:00+00:00"
+    # 13 of the base rows were received in the window (u-05-1 is a month older).
+    assert summary["modifications"] == {"primary": 13, "peer1": 13}
+    assert "***" in summary["databases"]["primary"]
+
+    runs, disc = await stored(database_url)
+    assert [(r["run_date"], r["status"]) for r in runs] == [(date(2024, 5, 1), "clean")]
+    assert disc == []
+    # Results go to the primary only; the peer is only read.
+    assert await stored(peer_url) == ([], [])
+
+    [(method, path, body)] = pushes
+    assert (method, path) == ("PUT", "/metrics/job/sqs_ingest_reconcile")
+    assert b'sqs_ingest_reconcile_runs_total{outcome="clean"} 1.0' in body
+
+
+async def test_tampered_databases_report_exactly_the_planted_discrepancies(
+    spark, database_url: str, peer_url: str, capfd  # type: ignore[no-untyped-def]
+) -> None:
+    await seed(database_url)
+    await seed(peer_url)
+    await tamper(database_url, peer_url)
+
+    assert await reconcile(database_url, peer_url) == 1
+
+    out, err = capfd.readouterr()
+    assert PASSWORD not in out and PASSWORD not in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"] == "discrepancies"
+    assert summary["counts"] == EXPECTED_COUNTS
+    assert summary["total"] == 11
+
+    runs, disc = await stored(database_url)
+    assert len(runs) == 1 and runs[0]["status"] == "discrepancies"
+    first_run = runs[0]["run_id"]
+    assert sorted((k, r or "", e or "", s) for _, k, r, e, s, _ in disc) == sorted(
+        (k, r or "", e or "", s) for k, r, e, s in EXPECTED_TAMPERED
+    )
+    details = {(k, r, e, s): json.loads(d) for _, k, r, e, s, d in disc}
+    assert details[("payload_mismatch", "inv-4", None, "peer1")] == {
+        "primary_sha256": payload_hash({"invoice": 4, "amount": 40}),
+        "peer_sha256": payload_hash({"invoice": 4, "amount": 4000}),
+    }
+    assert details[("entity_drift", "u-02-1", "ent-02", "primary")]["problem"] == "missing_entity"
+    assert details[("entity_drift", "u-01-2", "ent-01", "primary")]["fields"] == ["data_md5"]
+    assert details[("entity_drift", "u-05-1", "ent-05", "peer1")]["fields"] == ["version"]
+
+    # Rerunning the same date replaces that date's results instead of adding to them.
+    assert await reconcile(database_url, peer_url) == 1
+    runs, disc = await stored(database_url)
+    assert len(runs) == 1 and runs[0]["run_id"] != first_run
+    assert {d[0] for d in disc} == {runs[0]["run_id"]}
+    assert len(disc) == 11

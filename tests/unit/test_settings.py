@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.settings import ConfigError, load_settings, redact_dsn
+
+BASE = {"INGEST_QUEUE_URL": "http://127.0.0.1:1/q", "INGEST_DATABASE_URL": "postgresql://u@h/d"}
+
+
+def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("INGEST_")}
+    return subprocess.run(
+        [sys.executable, "-m", "service", "run"], env={**clean, **env},
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({}, "INGEST_QUEUE_URL"),
+        ({"INGEST_QUEUE_URL": "http://x/q"}, "INGEST_DATABASE_URL"),
+        ({**BASE, "INGEST_DATABASE_URL": "mysql://x"}, "INGEST_DATABASE_URL"),
+        ({**BASE, "INGEST_POLLERS": "many"}, "INGEST_POLLERS"),
+        ({**BASE, "INGEST_HTTP_PORT": "70000"}, "INGEST_HTTP_PORT"),
+        ({**BASE, "INGEST_LOG_FORMAT": "xml"}, "INGEST_LOG_FORMAT"),
+        ({**BASE, "INGEST_VISIBILITY_TIMEOUT": "50000"}, "INGEST_VISIBILITY_TIMEOUT"),
+        ({**BASE, "INGEST_MAX_RECEIVE_COUNT": "0"}, "INGEST_MAX_RECEIVE_COUNT"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_variable(
+    env: dict[str, str], variable: str
+) -> None:
+    proc = run_cli(env)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert variable in lines[0]
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in BASE.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings()
+    assert (s.aws_region, s.http_port, s.log_format, s.wait_time_seconds) == (
+        "us-east-1", 9102, "json", 20)
+    assert not s.is_fifo
+    assert s.inflight_limit == s.pollers * 2
+
+
+def test_console_format_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in BASE.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("INGEST_LOG_FORMAT", "CONSOLE")
+    assert load_settings().log_format == "console"
+
+
+def test_config_error_never_echoes_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INGEST_QUEUE_URL", "http://x/q")
+    monkeypatch.setenv("INGEST_DATABASE_URL", "mysql://u:s3cret@h/d")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert "s3cret" not in str(info.value)
+
+
+def test_redact_dsn() -> None:
+    assert redact_dsn("postgresql://u:pw@h:5432/d") == "postgresql://u:***@h:5432/d"
+    assert redact_dsn("postgresql://u@h/d") == "postgresql://u@h/d"

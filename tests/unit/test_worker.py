@@ -1,0 +1,255 @@
+"""The worker loop over the in-package fakes of both seams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from service.handlers import Registry
+from service.handlers.entities import EntityUpsert
+from service.settings import Settings
+from service.testing import FakeQueue, FakeStore
+from service.worker import EXIT_ACK_FAILED, EXIT_OK, Worker
+
+
+class Note(BaseModel):
+    n: int
+
+
+def settings(**over: Any) -> Settings:
+    base: dict[str, Any] = {
+        "queue_url": "http://127.0.0.1:1/q",
+        "database_url": "postgresql://u@h/d",
+        "wait_time_seconds": 1,
+        "pollers": 2,
+        "shutdown_timeout": 5,
+        "max_receive_count": 3,
+        "retry_base_seconds": 2,
+        "contention_delay": 4,
+        "queue_attributes_interval": 0.2,
+        "gc_interval": 0.2,
+        "worker_lease": 3,
+    }
+    base.update(over)
+    return Settings(**base)
+
+
+def body(rid: str, n: int = 1, type_: str = "note", **extra: Any) -> str:
+    return json.dumps({"request_id": rid, "type": type_, "payload": {"n": n}, **extra})
+
+
+async def until(pred: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Harness:
+    def __init__(self, s: Settings, registry: Registry, queue: FakeQueue) -> None:
+        self.queue = queue
+        self.store = FakeStore()
+        self.worker = Worker(s, queue, self.store, registry,  # type: ignore[arg-type]
+                             visibility_timeout=30, rng=lambda: 0.0)
+        self.task: asyncio.Task[int] | None = None
+
+    async def __aenter__(self) -> Harness:
+        self.task = asyncio.create_task(self.worker.run())
+        return self
+
+    async def stop(self) -> int:
+        assert self.task is not None
+        self.worker.request_stop()
+        return await asyncio.wait_for(self.task, 20)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.task and not self.task.done():
+            await self.stop()
+
+
+@pytest.fixture
+def calls() -> list[int]:
+    return []
+
+
+@pytest.fixture
+def registry(calls: list[int]) -> Registry:
+    r = Registry()
+
+    async def note(p: Note, conn: Any) -> dict[str, int]:
+        if p.n < 0:
+            raise RuntimeError("handler refuses negative numbers")
+        calls.append(p.n)
+        return {"n": p.n}
+
+    async def upsert(p: EntityUpsert, conn: Any) -> None:
+        return None
+
+    r.register("note", Note, note)
+    r.register("entity.upsert", EntityUpsert, upsert)
+    return r
+
+
+@pytest.fixture
+async def harness(registry: Registry) -> AsyncIterator[Harness]:
+    async with Harness(settings(), registry, FakeQueue()) as h:
+        yield h
+
+
+async def test_valid_poison_and_duplicate_are_all_resolved(harness: Harness, calls: list[int]) -> None:
+    q = harness.queue
+    for i in range(5):
+        q.send(body(f"r{i}", i))
+    q.send("{broken")
+    await until(lambda: not q.messages, "queue drained")
+    q.send(body("r1", 1))  # redelivery of a completed request
+    await until(lambda: not q.messages, "duplicate acked")
+    assert sorted(calls) == [0, 1, 2, 3, 4]  # applied once each
+    assert {r.status for r in harness.store.rows.values()} == {"COMPLETED"}
+    [letter] = harness.store.dead.values()
+    assert letter.body == "{broken" and letter.reason == "invalid_json"
+    assert await harness.stop() == EXIT_OK
+
+
+async def test_reused_key_with_other_payload_is_dead_lettered(harness: Harness, calls: list[int]) -> None:
+    q = harness.queue
+    q.send(body("r1", 1))
+    await until(lambda: not q.messages, "first applied")
+    q.send(body("r1", 2))
+    await until(lambda: not q.messages, "conflict acked")
+    assert calls == [1]
+    assert [d.reason for d in harness.store.dead.values()] == ["idempotency_key_reused"]
+
+
+async def test_ack_failure_exits_3_and_stops_receiving(registry: Registry, calls: list[int]) -> None:
+    q = FakeQueue()
+    mid = q.send(body("r1", 1))
+    q.fail_delete_ids.add(mid)
+    async with Harness(settings(), registry, q) as h:
+        assert h.task is not None
+        code = await asyncio.wait_for(h.task, 10)
+    assert code == EXIT_ACK_FAILED
+    assert calls == [1]  # the effect is committed...
+    assert mid in q.messages  # ...the message is still there, for the restart to resolve
+    q.send(body("r2", 2))
+    await asyncio.sleep(0.2)
+    assert calls == [1]  # nothing received after the failure
+
+
+async def test_transient_failure_backs_off_then_dead_letters(harness: Harness) -> None:
+    q = harness.queue
+    mid = q.send(body("bad", -1))
+    # Each failure hides the message for the backoff; make it visible again at once.
+    for attempt in range(1, 4):
+        await until(lambda: harness.store.failures.get("bad", 0) >= attempt
+                    or mid in harness.store.dead, f"failure {attempt}")
+        if mid in harness.store.dead:
+            break
+        assert q.visibility_calls[-1][0] == mid
+        # backoff grows with the receive count (rng=0 → half of base * 2^(n-1))
+        assert q.visibility_calls[-1][1] == max(1, 2 ** (attempt - 1))
+        q.messages[mid].visible_at = 0
+    await until(lambda: mid not in q.messages, "dead-lettered and acked")
+    letter = harness.store.dead[mid]
+    assert letter.reason == "max_receives_exceeded"
+    assert "handler refuses" in (letter.error or "")
+    assert "bad" not in harness.store.rows  # claim released, nothing IN_PROGRESS
+
+
+async def test_claim_held_by_another_owner_is_deferred_not_failed(harness: Harness, calls: list[int]) -> None:
+    from service.testing import _Row
+
+    harness.store.rows["busy"] = _Row("busy", "note", _hash({"n": 5}), "IN_PROGRESS", "other")
+    q = harness.queue
+    mid = q.send(body("busy", 5))
+    await until(lambda: any(c[0] == mid for c in q.visibility_calls), "deferred")
+    assert calls == []
+    assert harness.store.failures == {}
+    assert q.visibility_calls[-1] == (mid, 2)  # contention delay 4 s, equal jitter with rng=0
+    assert mid in q.messages
+
+
+async def test_fifo_failure_blocks_later_messages_of_its_group(registry: Registry, calls: list[int]) -> None:
+    q = FakeQueue(fifo=True)
+    q.send(body("a1", 1), "A")
+    q.send(body("a2", -2), "A")  # fails
+    q.send(body("a3", 3), "A")  # must not overtake a2
+    q.send(body("b1", 10), "B")
+    async with Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q) as h:
+        await until(lambda: h.store.failures.get("a2") == 1, "a2 failed once")
+        await until(lambda: len(q.messages) == 2, "a1 and b1 acked")
+        assert calls == [1, 10]
+        assert {q.messages[m].body for m in q.messages} == {body("a2", -2), body("a3", 3)}
+        assert "a3" not in h.store.rows  # its claim was released
+
+
+async def test_database_outage_stops_receiving_then_resumes(harness: Harness, calls: list[int]) -> None:
+    q = harness.queue
+    harness.store.down = True
+    mid = q.send(body("r1", 1))
+    await until(lambda: not harness.worker.readiness()[0], "not ready")
+    # The first batch failed on the claim and was released; no new receive while down.
+    await until(lambda: q.messages[mid].receive_count >= 1, "received once")
+    await asyncio.sleep(1.2)  # polls already in flight (wait_time 1 s) return
+    q.messages[mid].visible_at = 0
+    count = q.messages[mid].receive_count
+    await asyncio.sleep(0.3)
+    assert q.messages[mid].receive_count == count
+    harness.store.down = False
+    await until(lambda: not q.messages, "processed after recovery")
+    assert calls == [1]
+    assert harness.worker.readiness()[0]
+
+
+async def test_stop_finishes_in_flight_batch_and_exits_0(registry: Registry) -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(p: Note, conn: Any) -> None:
+        started.set()
+        await release.wait()
+
+    registry._specs.pop("note")
+    registry.register("note", Note, slow)
+    q = FakeQueue()
+    q.send(body("s1", 1))
+    async with Harness(settings(), registry, q) as h:
+        await asyncio.wait_for(started.wait(), 5)
+        h.worker.request_stop()
+        assert not h.worker.readiness()[0]
+        await asyncio.sleep(0.1)
+        q.send(body("late", 2))
+        release.set()
+        assert h.task is not None
+        assert await asyncio.wait_for(h.task, 10) == EXIT_OK
+    assert h.store.rows["s1"].status == "COMPLETED"
+    assert len(q.messages) == 1  # the late one was not taken (or was released at once)
+    [late] = q.messages.values()
+    assert late.visible_at <= time.monotonic()
+
+
+async def test_stop_deadline_cancels_and_releases(registry: Registry) -> None:
+    async def stuck(p: Note, conn: Any) -> None:
+        await asyncio.sleep(3600)
+
+    registry._specs.pop("note")
+    registry.register("note", Note, stuck)
+    q = FakeQueue()
+    mid = q.send(body("s1", 1))
+    async with Harness(settings(shutdown_timeout=0.5), registry, q) as h:
+        await until(lambda: "s1" in h.store.rows, "claimed")
+        assert await h.stop() == EXIT_OK
+    assert "s1" not in h.store.rows  # claim released
+    assert q.messages[mid].visible_at <= time.monotonic()  # visible again at once
+
+
+def _hash(payload: dict[str, Any]) -> str:
+    from service.messages import payload_hash
+
+    return payload_hash(payload)
