@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 
     from service.reconcile.job import JobOptions, JobResult
 
-log = structlog.get_logger("service.reconcile")
+
+
+def _log() -> Any:
+    """A fresh logger: one cached at import would keep the stderr of the first configure."""
+    return structlog.get_logger("service.reconcile")
+
 
 EXIT_CLEAN, EXIT_DISCREPANCIES, EXIT_CONFIG, EXIT_FAILED = 0, 1, 2, 3
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
@@ -148,8 +153,11 @@ def spark_session(master: str | None, jars: str | None) -> tuple[SparkSession, b
         spark.conf.set("spark.sql.session.timeZone", "UTC")
         return spark, False
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-    builder = SparkSession.builder.appName("sqs-ingest-reconcile").config(
-        "spark.sql.session.timeZone", "UTC"
+    builder = (
+        SparkSession.builder.appName("sqs-ingest-reconcile")
+        .config("spark.sql.session.timeZone", "UTC")
+        # Progress bars would interleave with the JSON log lines on stderr.
+        .config("spark.ui.showConsoleProgress", "false")
     )
     if master or not submitted:
         master = master or "local[*]"
@@ -222,7 +230,7 @@ class RunMetrics:
             push_to_gateway(url, job=PUSH_JOB, registry=self.registry, timeout=10)
         except OSError as exc:
             # The run's result is already stored; a monitoring hiccup must not mask it.
-            log.error("pushgateway_failed", error=str(exc))
+            _log().error("pushgateway_failed", error=str(exc))
 
 
 # --- one run -----------------------------------------------------------------------------
@@ -266,7 +274,7 @@ class Runner:
         from service.reconcile import io
 
         opts = self.args.options(run_date)
-        bound = log.bind(run_date=run_date.isoformat())
+        bound = _log().bind(run_date=run_date.isoformat())
         t0 = time.monotonic()
         try:
             conn = await asyncpg.connect(opts.primary.dsn)
@@ -380,17 +388,17 @@ async def sidecar(args: Args, metrics: RunMetrics) -> int:
     loop = asyncio.get_running_loop()
 
     def on_signal(signame: str) -> None:
-        log.info("reconcile_sidecar_stopping", signal=signame)
+        _log().info("reconcile_sidecar_stopping", signal=signame)
         stop.set()
         runner.cancel()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    log.info("reconcile_sidecar_started", schedule=schedule, metrics_port=args.ns.metrics_port)
+    _log().info("reconcile_sidecar_started", schedule=schedule, metrics_port=args.ns.metrics_port)
     try:
         while not stop.is_set():
             fire_at = next_fire(schedule, datetime.now(UTC))
-            log.info("reconcile_next_run", at=fire_at.isoformat())
+            _log().info("reconcile_next_run", at=fire_at.isoformat())
             delay = (fire_at - datetime.now(UTC)).total_seconds()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=max(0.0, delay))
@@ -400,7 +408,7 @@ async def sidecar(args: Args, metrics: RunMetrics) -> int:
             code = await runner.run(run_date, skip_if_done=True)
             if args.ns.pushgateway:
                 metrics.push(args.ns.pushgateway)
-            log.info("reconcile_run_exit", run_date=run_date.isoformat(), exit_code=code)
+            _log().info("reconcile_run_exit", run_date=run_date.isoformat(), exit_code=code)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -27,6 +27,7 @@ def spark() -> Iterator[SparkSession]:
         SparkSession.builder.master("local[2]")
         .appName("sqs-ingest-reconcile-tests")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.jars", JDBC_JAR)

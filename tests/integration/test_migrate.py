@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+
+import asyncpg
+
+from service.migrate import load_migrations, migrate
+from tests.servers import Postgres
+
+
+async def empty_db(pg: Postgres) -> str:
+    name = "m_" + uuid.uuid4().hex[:10]
+    conn = await asyncpg.connect(pg.dsn())
+    await conn.execute(f"CREATE DATABASE {name}")
+    await conn.close()
+    return pg.dsn(name)
+
+
+async def test_every_migration_applies_to_an_empty_database_once(pg_server: Postgres) -> None:
+    dsn = await empty_db(pg_server)
+    applied = await migrate(dsn)
+    assert [m.version for m in applied] == [m.version for m in load_migrations()]
+    assert await migrate(dsn) == []
+    conn = await asyncpg.connect(dsn)
+    try:
+        tables = {r["tablename"] for r in await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        assert {"modifications", "dead_letters", "entities", "reconciliation_runs",
+                "reconciliation_discrepancies", "workers", "ingest_schema_migrations"} <= tables
+        cols = {r["column_name"] for r in await conn.fetch(
+            "SELECT column_name FROM information_schema.columns WHERE table_name='modifications'")}
+        assert {"request_id", "request_type", "payload", "payload_sha256", "status",
+                "sqs_message_id", "owner", "received_at", "completed_at", "result"} <= cols
+    finally:
+        await conn.close()
+
+
+async def test_two_concurrent_migrations_apply_each_file_once(pg_server: Postgres) -> None:
+    dsn = await empty_db(pg_server)
+    a, b = await asyncio.gather(migrate(dsn), migrate(dsn))
+    assert len(a) + len(b) == len(load_migrations())
+    assert not (a and b)  # one did everything, the other found it done
+
+
+async def test_run_refuses_a_schema_that_is_behind(pg_server: Postgres) -> None:
+    dsn = await empty_db(pg_server)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INGEST_")}
+    env.update(INGEST_DATABASE_URL=dsn, INGEST_QUEUE_URL="http://127.0.0.1:9/q",
+               INGEST_HTTP_PORT="0")
+    proc = subprocess.run([sys.executable, "-m", "service", "run"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "sqs-ingest migrate" in proc.stdout + proc.stderr
