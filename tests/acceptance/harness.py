@@ -1,0 +1,229 @@
+"""Drive the real ``sqs-ingest run`` process and check the exactly-once invariants."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from tests.servers import free_port, wait_until
+
+
+class Daemon:
+    """One ``python -m service run`` process with its own log file and HTTP port."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path, name: str = "daemon") -> None:
+        self.port = free_port()
+        base = {k: v for k, v in os.environ.items() if not k.startswith("INGEST_")}
+        self.env = {**base, "INGEST_HTTP_PORT": str(self.port), "INGEST_HTTP_HOST": "127.0.0.1",
+                    **env}
+        self.log_dir = log_dir
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> Daemon:
+        self.starts += 1
+        log = open(self.log_dir / f"{self.name}.{self.starts}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", "run"], env=self.env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""
+
+    def ready(self) -> bool:
+        return self.get("/readyz")[0] == 200
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        wait_until(lambda: self.ready() or self.exited(), timeout, f"{self.name} ready")
+        assert not self.exited(), self.logs()
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc is None or self.exited():
+            return self.proc.returncode if self.proc else 0
+        self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-4000:]
+                         for p in sorted(self.log_dir.glob(f"{self.name}.*.log")))
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                head, _, value = line.rpartition(" ")
+                if head == name or head.startswith(name + "{"):
+                    total += float(value)
+        return total
+
+
+def upsert(rid: str, eid: str, version: int, **extra: Any) -> str:
+    return json.dumps({"request_id": rid, "type": "entity.upsert",
+                       "payload": {"entity_id": eid, "version": version,
+                                   "data": {"v": version, "pad": "x" * 40}}, **extra})
+
+
+def delete(rid: str, eid: str, version: int) -> str:
+    return json.dumps({"request_id": rid, "type": "entity.delete",
+                       "payload": {"entity_id": eid, "version": version}})
+
+
+@dataclass
+class Workload:
+    """A deterministic mix: valid upserts/deletes, ~20 % duplicates, SNS-wrapped copies,
+    poison bodies (each unique), and — sent later — reused keys."""
+
+    seed: int = 7
+    entities: int = 40
+    valid: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # rid → (type, eid, ver)
+    poison: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    _version: int = 0
+
+    def bodies(self, n: int, prefix: str = "r") -> list[str]:
+        rng = random.Random(f"{self.seed}-{prefix}")
+        out: list[str] = []
+        for i in range(n):
+            self._version += 1
+            rid, eid = f"{prefix}-{i}", f"e{rng.randrange(self.entities)}"
+            if rng.random() < 0.15:
+                body, kind = delete(rid, eid, self._version), "entity.delete"
+            else:
+                body, kind = upsert(rid, eid, self._version), "entity.upsert"
+            self.valid[rid] = (kind, eid, self._version)
+            if rng.random() < 0.1:
+                body = json.dumps({"Type": "Notification", "MessageId": f"sns-{rid}",
+                                   "TopicArn": "arn:aws:sns:us-east-1:1:t", "Message": body})
+            out.append(body)
+            if rng.random() < 0.2:
+                out.append(body)  # duplicate delivery
+            if rng.random() < 0.05:
+                p = rng.choice([
+                    f"not json {prefix}-{i} \u00e9\t",
+                    json.dumps({"request_id": f"{rid}-p", "type": "no.such.type", "payload": {}}),
+                    json.dumps({"type": "entity.upsert", "payload": {}, "n": f"{rid}"}),
+                    json.dumps({"request_id": f"{rid}-q", "type": "entity.upsert",
+                                "payload": {"entity_id": 5, "version": "x"}}),
+                ])
+                self.poison.append(p)
+                out.append(p)
+        rng.shuffle(out)
+        return out
+
+    def reuse(self, rids: list[str]) -> list[str]:
+        """Same request_id, different payload: each must end in dead_letters."""
+        out = []
+        for rid in rids:
+            b = upsert(rid, "reused", 10**9, note=f"reuse of {rid}")
+            self.reused.append(b)
+            out.append(b)
+        return out
+
+    def expected_entities(self) -> dict[str, tuple[int, bool]]:
+        state: dict[str, tuple[int, bool]] = {}
+        for kind, eid, ver in self.valid.values():
+            if eid not in state or ver > state[eid][0]:
+                state[eid] = (ver, kind == "entity.delete")
+        return state
+
+
+def send_all(sqs: Any, queue_url: str, bodies: list[str]) -> None:
+    for start in range(0, len(bodies), 10):
+        chunk = bodies[start:start + 10]
+        resp = sqs.send_message_batch(QueueUrl=queue_url, Entries=[
+            {"Id": str(i), "MessageBody": b} for i, b in enumerate(chunk)])
+        assert not resp.get("Failed"), resp
+
+
+def queue_depth(sqs: Any, queue_url: str) -> int:
+    a = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["All"])["Attributes"]
+    return int(a["ApproximateNumberOfMessages"]) + int(a["ApproximateNumberOfMessagesNotVisible"])
+
+
+async def check_invariants(dsn: str, w: Workload, sqs: Any, queue_url: str) -> dict[str, int]:
+    """Every valid request_id exactly one COMPLETED row, none IN_PROGRESS, entities equal the
+    replayed state, every poison body stored once byte for byte, queue empty."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT request_id, status FROM modifications")
+        statuses = {r["request_id"]: r["status"] for r in rows}
+        assert len(rows) == len(statuses)
+        assert set(statuses) == set(w.valid), (
+            f"missing={sorted(set(w.valid) - set(statuses))[:5]} "
+            f"extra={sorted(set(statuses) - set(w.valid))[:5]}")
+        in_progress = [r for r, s in statuses.items() if s != "COMPLETED"]
+        assert not in_progress, f"IN_PROGRESS left: {in_progress[:5]}"
+        ents = {r["entity_id"]: (r["version"], r["deleted"]) for r in await conn.fetch(
+            "SELECT entity_id, version, deleted FROM entities")}
+        assert ents == w.expected_entities()
+        dl = await conn.fetch("SELECT body, reason FROM dead_letters")
+        bodies = [r["body"] for r in dl]
+        assert sorted(bodies) == sorted(w.poison + w.reused), (
+            f"dead letters: {len(bodies)} vs expected {len(w.poison) + len(w.reused)}")
+        reasons = {r["body"]: r["reason"] for r in dl}
+        assert all(reasons[b] == "idempotency_key_reused" for b in w.reused)
+    finally:
+        await conn.close()
+    assert queue_depth(sqs, queue_url) == 0
+    return {"completed": len(statuses), "entities": len(ents), "poison": len(w.poison),
+            "reused": len(w.reused)}
+
+
+def wait_drained(sqs: Any, queue_url: str, daemons: list[Daemon], timeout: float = 120) -> None:
+    def drained() -> bool:
+        for d in daemons:
+            assert not d.exited() or d.proc.returncode == 0, d.logs()  # type: ignore[union-attr]
+        return queue_depth(sqs, queue_url) == 0
+
+    wait_until(drained, timeout, "queue drained", interval=0.3)
+
+
+def daemon_env(dsn: str, queue_url: str, endpoint: str, **extra: str) -> dict[str, str]:
+    return {
+        "INGEST_DATABASE_URL": dsn, "INGEST_QUEUE_URL": queue_url,
+        "INGEST_SQS_ENDPOINT_URL": endpoint, "INGEST_WAIT_TIME_SECONDS": "2",
+        "INGEST_LOG_LEVEL": "info", "INGEST_SHUTDOWN_TIMEOUT": "15",
+        "INGEST_RETRY_BASE_SECONDS": "1", "INGEST_CONTENTION_DELAY": "2",
+        "INGEST_GC_INTERVAL": "1", "INGEST_WORKER_LEASE": "4",
+        "INGEST_QUEUE_ATTRIBUTES_INTERVAL": "1",
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        **extra,
+    }
+
+
+def now() -> float:
+    return time.monotonic()
