@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install services stop run test test-fast lint bench bench-reconcile clean
+.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile clean
 
 install:
 	scripts/install.sh
@@ -27,6 +27,13 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not chaos and not spark" $(PYTEST_ARGS)
+
+test-reconcile: install
+	$(PY) -m pytest -q tests/reconcile
+
+## make bench-reconcile: 1,000,000 modifications in each of two databases, local[2]
+bench-reconcile: install
+	$(PY) bench/reconcile_bench.py
 
 lint: install
 	$(VENV)/bin/ruff check service tests bench

@@ -54,7 +54,7 @@ async def _retry(what: str, attempt, stop: asyncio.Event):  # type: ignore[no-un
             delay = min(delay * 2, 10.0)
 
 
-async def run(settings: Settings) -> int:
+async def run(settings: Settings, early_signals: list[int] | None = None) -> int:
     load_reference_handlers()
     load_handler_modules(settings.handler_modules)
     loop = asyncio.get_running_loop()
@@ -70,6 +70,8 @@ async def run(settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if early_signals:
+        stop.set()
 
     runner = None
     if settings.http_port:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from collections.abc import Coroutine
 from typing import Any
@@ -42,8 +43,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_early_signals: list[int] = []
+
+
+def _remember_signal(signum: int, _frame: object) -> None:
+    _early_signals.append(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        # A SIGTERM that lands while we are still importing and connecting must still mean
+        # "stop cleanly" (exit 0), not the default "die".
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _remember_signal)
     if argv and argv[0] == "reconcile":
         from service.reconcile.cli import main as reconcile_main
 
@@ -61,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from service import app
 
-        return _run_async(app.run(settings))
+        return _run_async(app.run(settings, early_signals=_early_signals))
     if args.command == "migrate":
         return _run_async(_migrate(settings))
     if args.command == "gc":

@@ -12,12 +12,17 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 
 from service import __version__
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# process_start_time_seconds etc.: restarts (exit 3 after an ack failure) are alertable.
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
 P = "sqs_ingest_"
 
 messages_received = Counter(

@@ -80,16 +80,20 @@ class Worker:
         self._holding: collections.Counter[str] = collections.Counter()
         self._oldest_sent: float | None = None
         self._forced = False
+        self._stop_requested_at = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def request_stop(self) -> None:
         """First SIGTERM/SIGINT: drain. A second one: force."""
         if self._stop.is_set():
+            if time.monotonic() - self._stop_requested_at < 1.0:
+                return  # one signal delivered twice (process group + child), not a second one
             self._forced = True
             log.warning("forced_shutdown")
             self._done.set()
             return
+        self._stop_requested_at = time.monotonic()
         log.info("shutdown_requested", in_flight_batches=len(self._batches))
         self._stop.set()
         self._done.set()

@@ -69,8 +69,10 @@ class Postgres:
             "-l",
             os.path.join(self.datadir, "server.log"),
             "-o",
+            # fsync=off survives a killed server (the OS keeps the WAL); synchronous_commit=off
+            # would not: the chaos tests stop PostgreSQL with -m immediate.
             f"-p {self.port} -k {self.sockdir} -c listen_addresses=127.0.0.1 -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300",
+            "-c full_page_writes=off -c max_connections=300",
         )
 
     def _ctl(self, *args: str) -> None:

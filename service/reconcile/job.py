@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, time as dtime, timedelta
+from datetime import UTC, date, datetime, timedelta
+from datetime import time as dtime
 from typing import TYPE_CHECKING, Any
 
 from service.reconcile import KINDS, io, transforms
@@ -25,7 +26,7 @@ class JobOptions:
     """What one run checks.
 
     Attributes:
-        run_date: the UTC day checked; the window is ``[run_date − lookback, run_date + 1)``.
+        run_date: the UTC day checked; the window is ``[run_date - lookback, run_date + 1)``.
         primary: the database whose ``reconciliation_*`` tables receive the results.
         peers: other databases ingesting the same stream, compared with the primary.
         lookback: how far before the day the window starts (late IN_PROGRESS, re-checks).
@@ -137,9 +138,7 @@ def run(spark: SparkSession, opts: JobOptions, as_of: datetime) -> JobResult:
     """Run every check; ``as_of`` is the primary database's clock at the start."""
     t0 = time.monotonic()
     window = opts.window
-    modifications = {
-        db.label: io.count_modifications(spark, db, window) for db in opts.databases
-    }
+    modifications = {db.label: io.count_modifications(spark, db, window) for db in opts.databases}
     disc = build_discrepancies(spark, opts, as_of).persist()
     try:
         counts = {kind: 0 for kind in KINDS}

@@ -22,7 +22,7 @@ try:
 except ImportError:  # running from a source checkout: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from service.reconcile.cli import main
+from service.reconcile.cli import main  # noqa: E402 - after the sys.path fix above
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

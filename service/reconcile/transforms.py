@@ -214,7 +214,9 @@ def replay_entities(entity_mods: DataFrame) -> DataFrame:
         "entity_id",
         "version",
         is_delete.alias("deleted"),
-        F.when(is_delete, F.lit(None).cast("string")).otherwise(F.col("data_md5")).alias("data_md5"),
+        F.when(is_delete, F.lit(None).cast("string"))
+        .otherwise(F.col("data_md5"))
+        .alias("data_md5"),
         "request_id",
     )
 
@@ -243,20 +245,19 @@ def entity_drift(
         .distinct()
     )
     fields = ["version", "deleted", "data_md5", "request_id"]
-    e = entities.select(F.col("entity_id").alias("e_entity_id"), *[F.col(c).alias(f"e_{c}") for c in fields])
-    r = expected.select(F.col("entity_id").alias("r_entity_id"), *[F.col(c).alias(f"r_{c}") for c in fields])
+    e = entities.select(
+        F.col("entity_id").alias("e_entity_id"), *[F.col(c).alias(f"e_{c}") for c in fields]
+    )
+    r = expected.select(
+        F.col("entity_id").alias("r_entity_id"), *[F.col(c).alias(f"r_{c}") for c in fields]
+    )
     joined = e.join(r, F.col("e_entity_id") == F.col("r_entity_id"), "full_outer").withColumn(
         "entity_id", F.coalesce("e_entity_id", "r_entity_id")
     )
     joined = joined.join(unsettled, "entity_id", "left_anti")
 
     differing = F.array_compact(
-        F.array(
-            *[
-                F.when(~F.col(f"e_{c}").eqNullSafe(F.col(f"r_{c}")), F.lit(c))
-                for c in fields
-            ]
-        )
+        F.array(*[F.when(~F.col(f"e_{c}").eqNullSafe(F.col(f"r_{c}")), F.lit(c)) for c in fields])
     )
     e_present, r_present = F.col("e_entity_id").isNotNull(), F.col("r_entity_id").isNotNull()
     problem = (

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
+import structlog
 
 from tests.conftest import TEMPLATE_DB
 from tests.servers import Postgres
@@ -16,6 +18,33 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 JDBC_JAR = "/usr/share/java/postgresql.jar"
+
+
+class _CurrentStderr:
+    """Resolves ``sys.stderr`` at each write, so capsys/capfd swapping it cannot leave
+    a logger writing to a closed capture file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _json_logs() -> Iterator[None]:
+    """JSON logs as in production; ``cli.main`` keeps an existing configuration."""
+    saved = structlog.get_config()
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=lambda *args: structlog.PrintLogger(file=_CurrentStderr()),  # type: ignore[arg-type]
+    )
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

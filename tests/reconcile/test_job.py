@@ -35,8 +35,12 @@ def at(minutes: int) -> datetime:
 # (request_id, type, payload, received_at); all COMPLETED one second after receipt.
 BASE_MODIFICATIONS: list[tuple[str, str, dict[str, Any], datetime]] = [
     # History outside the window still defines ent-05's state.
-    ("u-05-1", "entity.upsert", {"entity_id": "ent-05", "version": 1, "data": {"n": 1}},
-     datetime(2024, 4, 1, 9, 0, tzinfo=UTC)),
+    (
+        "u-05-1",
+        "entity.upsert",
+        {"entity_id": "ent-05", "version": 1, "data": {"n": 1}},
+        datetime(2024, 4, 1, 9, 0, tzinfo=UTC),
+    ),
     ("u-01-1", "entity.upsert", {"entity_id": "ent-01", "version": 1, "data": {"n": 1}}, at(0)),
     ("u-01-2", "entity.upsert", {"entity_id": "ent-01", "version": 2, "data": {"n": 2}}, at(1)),
     ("u-02-1", "entity.upsert", {"entity_id": "ent-02", "version": 1, "data": {"n": 1}}, at(2)),
@@ -133,7 +137,9 @@ async def tamper(primary: str, peer: str) -> None:
     try:
         stuck = {"invoice": 42, "amount": 1}
         for conn in (p, q):
-            await insert_modification(conn, "req-stuck", "invoice.created", stuck, at(120), "IN_PROGRESS")
+            await insert_modification(
+                conn, "req-stuck", "invoice.created", stuck, at(120), "IN_PROGRESS"
+            )
         await p.execute("UPDATE entities SET data = '{\"n\": 999}' WHERE entity_id = 'ent-01'")
         await p.execute("DELETE FROM entities WHERE entity_id = 'ent-02'")
         await p.execute(
@@ -162,17 +168,23 @@ async def tamper(primary: str, peer: str) -> None:
 
 def with_password(dsn: str) -> str:
     parts = urlsplit(dsn)
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:{PASSWORD}@{parts.hostname}:{parts.port}"))
+    return urlunsplit(
+        parts._replace(netloc=f"{parts.username}:{PASSWORD}@{parts.hostname}:{parts.port}")
+    )
 
 
 async def reconcile(primary: str, peer: str, *extra: str) -> int:
     argv = [
-        "--date", RUN_DATE,
-        "--database-url", with_password(primary),
-        "--peer-url", with_password(peer),
-        "--partitions", "3",
+        "--date",
+        RUN_DATE,
+        "--database-url",
+        with_password(primary),
+        "--peer-url",
+        with_password(peer),
+        "--partitions",
+        "3",
         *extra,
-    ]  # fmt: skip
+    ]
     return await asyncio.to_thread(main, argv)
 
 
@@ -220,7 +232,11 @@ def pushgateway() -> Iterator[tuple[str, list[tuple[str, str, bytes]]]]:
 
 
 async def test_clean_databases_exit_zero(
-    spark, database_url: str, peer_url: str, pushgateway, capfd  # type: ignore[no-untyped-def]
+    spark,
+    database_url: str,
+    peer_url: str,
+    pushgateway,
+    capfd,  # type: ignore[no-untyped-def]
 ) -> None:
     await seed(database_url)
     await seed(peer_url)
@@ -251,7 +267,10 @@ async def test_clean_databases_exit_zero(
 
 
 async def test_tampered_databases_report_exactly_the_planted_discrepancies(
-    spark, database_url: str, peer_url: str, capfd  # type: ignore[no-untyped-def]
+    spark,
+    database_url: str,
+    peer_url: str,
+    capfd,  # type: ignore[no-untyped-def]
 ) -> None:
     await seed(database_url)
     await seed(peer_url)

@@ -14,14 +14,16 @@ from service.reconcile.transforms import Window
 pytestmark = pytest.mark.spark
 
 WINDOW = Window(datetime(2024, 5, 1, tzinfo=UTC), datetime(2024, 5, 2, tzinfo=UTC))
-CUTOFF = datetime(2024, 5, 1, 20, 0, tzinfo=UTC)  # "now − stuck_after"
+CUTOFF = datetime(2024, 5, 1, 20, 0, tzinfo=UTC)  # "now - stuck_after"
 
 
 def ts(day: int, hour: int, minute: int = 0, second: int = 0) -> datetime:
     return datetime(2024, 5, day, hour, minute, second, tzinfo=UTC)
 
 
-def mod(rid, status="COMPLETED", received=None, sha="s", rtype="invoice.created", owner="w1", id_=None):  # type: ignore[no-untyped-def]
+def mod(
+    rid, status="COMPLETED", received=None, sha="s", rtype="invoice.created", owner="w1", id_=None
+):  # type: ignore[no-untyped-def]
     received = received or ts(1, 10)
     completed = None if status == "IN_PROGRESS" else received
     return (id_ or zlib.crc32(rid.encode()), rid, rtype, status, sha, owner, received, completed)
@@ -111,10 +113,7 @@ def test_compare_databases_reports_each_kind_once(spark) -> None:  # type: ignor
             ("payload_mismatch", "both-wrong", None, "peer1"),
         ],
     )
-    details = {
-        (r["kind"], r["request_id"]): json.loads(r["details"])
-        for r in got.collect()
-    }
+    details = {(r["kind"], r["request_id"]): json.loads(r["details"]) for r in got.collect()}
     assert details[("payload_mismatch", "payload")] == {
         "primary_sha256": "aaa",
         "peer_sha256": "bbb",
@@ -279,6 +278,4 @@ def test_count_by_kind(spark) -> None:  # type: ignore[no-untyped-def]
         ],
         T.DISCREPANCY_SCHEMA,
     )
-    assertDataFrameEqual(
-        T.count_by_kind(disc), [("entity_drift", 2), ("missing_in_peer", 1)]
-    )
+    assertDataFrameEqual(T.count_by_kind(disc), [("entity_drift", 2), ("missing_in_peer", 1)])

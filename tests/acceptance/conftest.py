@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def make_queue(sqs_client: Any):  # type: ignore[no-untyped-def]
+    """A fresh queue with a short visibility timeout, so redeliveries come quickly."""
+
+    def make(visibility: int = 5, fifo: bool = False) -> str:
+        name = "chaos-" + uuid.uuid4().hex[:10] + (".fifo" if fifo else "")
+        attrs = {"VisibilityTimeout": str(visibility)}
+        if fifo:
+            attrs.update(FifoQueue="true", ContentBasedDeduplication="true")
+        return str(sqs_client.create_queue(QueueName=name, Attributes=attrs)["QueueUrl"])
+
+    return make

@@ -1,0 +1,115 @@
+"""A small HTTP proxy between the daemon and the SQS emulator that injects faults.
+
+Modes for DeleteMessageBatch / DeleteMessage (SQS JSON protocol, ``X-Amz-Target``):
+
+- ``refuse``: answer 500 without forwarding (the delete never reaches the queue);
+- ``lie``: forward, then answer 500 (the delete happened, the caller is told it failed);
+- ``partial``: forward all entries but the first, answer 200 with the first in ``Failed``.
+
+``latency_ms`` delays every request (real SQS is 10–30 ms away). Runs in a thread with its
+own event loop, so the daemon under test can be a separate process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tests.servers import free_port
+
+DELETE_ACTIONS = {"AmazonSQS.DeleteMessageBatch", "AmazonSQS.DeleteMessage"}
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, latency_ms: float = 0.0) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.mode: str | None = None
+        self.latency_ms = latency_ms
+        self.faults_injected = 0
+        self.requests = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=200), auto_decompress=False)
+        app = web.Application(client_max_size=10 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    async def _forward(self, request: web.Request, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
+        async with self._session.request(request.method, self.upstream + request.path_qs,
+                                         data=body, headers=headers) as resp:
+            out = await resp.read()
+            keep = {k: v for k, v in resp.headers.items()
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                         "content-encoding")}
+            return resp.status, keep, out
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        body = await request.read()
+        if self.latency_ms:
+            await asyncio.sleep(self.latency_ms / 1000)
+        target = request.headers.get("X-Amz-Target", "")
+        mode = self.mode
+        if mode and target in DELETE_ACTIONS:
+            self.faults_injected += 1
+            if mode == "refuse":
+                return _error(500, "InternalError", "injected: delete refused")
+            if mode == "lie":
+                await self._forward(request, body)
+                return _error(500, "InternalError", "injected: delete done, answered 500")
+            if mode == "partial" and target == "AmazonSQS.DeleteMessageBatch":
+                doc = json.loads(body)
+                entries = doc["Entries"]
+                failed, rest = entries[0], entries[1:]
+                ok: list[dict[str, Any]] = []
+                if rest:
+                    doc["Entries"] = rest
+                    status, _, out = await self._forward(request, json.dumps(doc).encode())
+                    ok = json.loads(out).get("Successful", []) if status == 200 else []
+                return web.json_response(
+                    {"Successful": ok, "Failed": [{"Id": failed["Id"], "SenderFault": False,
+                                                   "Code": "InternalError",
+                                                   "Message": "injected: entry failed"}]},
+                    content_type="application/x-amz-json-1.0")
+        status, headers, out = await self._forward(request, body)
+        return web.Response(status=status, body=out, headers=headers)
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(
+        status=status, text=json.dumps({"__type": code, "message": message}),
+        headers={"Content-Type": "application/x-amz-json-1.0", "x-amzn-query-error": f"{code};Receiver"})
