@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import signal
 import sys
-from collections.abc import Coroutine
-from typing import Any
 
-from service.settings import ConfigError, Settings, load_settings, redact_dsn
+_early_signals: list[int] = []
+
+
+def _remember_signal(signum: int, _frame: object) -> None:
+    _early_signals.append(signum)
+
+
+if sys.argv[1:2] == ["run"]:
+    # Installed before the heavy imports below: a SIGTERM that lands while the daemon is
+    # still importing and connecting must mean "stop cleanly" (exit 0), not "die".
+    for _sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_sig, _remember_signal)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+from collections.abc import Coroutine  # noqa: E402
+from typing import Any  # noqa: E402
+
+from service.settings import ConfigError, Settings, load_settings, redact_dsn  # noqa: E402
 
 EXIT_CONFIG = 2
 
@@ -41,13 +55,6 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--count", type=int, default=20)
     pr.add_argument("--seed", type=int, default=1)
     return p
-
-
-_early_signals: list[int] = []
-
-
-def _remember_signal(signum: int, _frame: object) -> None:
-    _early_signals.append(signum)
 
 
 def main(argv: list[str] | None = None) -> int:

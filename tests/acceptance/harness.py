@@ -77,7 +77,12 @@ class Daemon:
         self.signal(signal.SIGTERM)
         return self.wait(timeout)
 
+    def full_logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace")
+                         for p in sorted(self.log_dir.glob(f"{self.name}.*.log")))
+
     def logs(self) -> str:
+        """The tail of each log file, for assertion messages."""
         return "\n".join(p.read_text(errors="replace")[-4000:]
                          for p in sorted(self.log_dir.glob(f"{self.name}.*.log")))
 

@@ -97,7 +97,7 @@ async def test_ack_fault_exits_3_and_restart_heals(
         d = Daemon(env, tmp_path).start()
         assert d.wait(60) == 3, d.logs()
         assert proxy.faults_injected >= 1
-        assert "ack_failed" in d.logs()
+        assert "ack_failed" in d.full_logs()
         proxy.mode = None  # restarted without the fault
         d.start()
         wait_drained(sqs_client, queue_url, [d])
@@ -126,6 +126,7 @@ async def test_three_replicas_one_killed_repeatedly(
             wait_until(lambda t=target: completed(database_url) >= t, 120, "progress")
             victim.kill9()
             victim.start()
+        victim.wait_ready()
         wait_drained(sqs_client, queue_url, replicas, timeout=240)
         send_all(sqs_client, queue_url, w.reuse(sorted(w.valid)[:5]))
         wait_drained(sqs_client, queue_url, replicas)
@@ -192,7 +193,7 @@ def test_sigterm_releases_what_idle_polls_bring(
     w = Workload(seed=9)
     send_all(sqs_client, queue_url, w.bodies(20, prefix="idle"))
     assert a.wait(40) == 0, a.logs()
-    assert "released_after_stop" in a.logs()
+    assert "released_after_stop" in a.full_logs()
     b = Daemon(env, tmp_path, "b").start()
     try:
         sent_at = time.monotonic()

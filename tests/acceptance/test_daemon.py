@@ -59,11 +59,23 @@ async def test_json_logs_carry_message_and_request_ids(
                           INGEST_DATABASE_URL=database_url.replace("postgres@", "postgres:hunter2@")),
                tmp_path).start()
     try:
-        wait_until(lambda: "poison_message" in d.logs(), 30, "poison logged")
+        wait_until(lambda: "poison_message" in d.full_logs(), 30, "poison logged")
     finally:
         assert d.stop() == 0
-    lines = [json.loads(line) for line in d.logs().splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in d.full_logs().splitlines() if line.startswith("{")]
     poison = [entry for entry in lines if entry["event"] == "poison_message"]
     assert poison and poison[0]["request_id"] == "r-x" and poison[0]["message_id"]
     assert all("level" in entry and "timestamp" in entry for entry in lines)
-    assert "hunter2" not in d.logs()
+    assert "hunter2" not in d.full_logs()
+
+
+def test_sigterm_during_startup_still_exits_0(
+    sqs_endpoint: str, queue_url: str, database_url: str, tmp_path: Path
+) -> None:
+    d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint), tmp_path).start()
+    wait_until(lambda: (tmp_path / "daemon.1.log").exists(), 10, "process spawned")
+    import time
+
+    time.sleep(0.3)  # inside imports / connecting: before the event loop is up
+    d.signal(signal.SIGTERM)
+    assert d.wait(30) == 0, d.logs()

@@ -1,0 +1,948 @@
+"""Throughput benchmark of the daemon against LocalStack SQS and PostgreSQL, side by side.
+
+    .venv/bin/python bench/throughput.py            # what `make bench` runs
+    N=5000 .venv/bin/python bench/throughput.py     # smaller run
+    LATENCY_MS=20 .venv/bin/python bench/throughput.py
+    SOAK=600 .venv/bin/python bench/throughput.py
+    PROFILE=1 .venv/bin/python bench/throughput.py  # adds a py-spy profile of a drain
+
+Starts a throwaway PostgreSQL (tests/servers.py) and LocalStack's SQS in host mode (no
+Docker; a Python 3.13 venv under bench/.venv-localstack, created if missing), preloads N
+messages (~300-byte ``entity.upsert`` bodies) into a fresh queue for each phase and
+measures, one after the other:
+
+1. ceiling — an SQS-only drain: ReceiveMessage(10) + DeleteMessageBatch, no database, with
+   the daemon's concurrency (INGEST_POLLERS receive loops, INGEST_MAX_INFLIGHT_BATCHES
+   batches in flight, the same aiobotocore client), in its own process;
+2. naive — one message at a time: receive 1, INSERT modification + upsert entity, COMMIT,
+   DeleteMessage, in its own process;
+3. daemon — ``python -m service run`` (= ``sqs-ingest run``) draining the queue; the rate
+   is N / (max − min ``completed_at``) read from the database; CPU seconds per message
+   from /proc/<pid>/stat (utime+stime, sampled, over the same window); peak RSS (VmHWM);
+   p50/p99 of ``sqs_ingest_message_lag_seconds`` from /metrics.
+
+Environment knobs: N (default 20000), NAIVE_N (default min(N, 5000): the naive loop runs
+at a steady ~10 % of the others, 5,000 messages measure it as well as 20,000 do), LATENCY_MS
+(adds a ceiling + daemon pair through tests/faultproxy.FaultProxy injecting that delay on
+every SQS request), SOAK (seconds of steady load at SOAK_RATE msg/s, default 500;
+reports RSS at start and end), PROFILE=1 (one more daemon drain under ``py-spy record``,
+raw collapsed stacks + a summary), PHASES (default ``ceiling,naive,daemon``). INGEST_*
+variables set in the environment reach the daemon (and the ceiling's concurrency), so
+settings can be compared: ``INGEST_POLLERS=8 make bench``.
+
+Prints a table and writes everything as JSON to bench/results/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from service.settings import Settings  # noqa: E402
+from tests.servers import free_port, postgres_server, wait_until  # noqa: E402
+
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+LS_VENV = BENCH / ".venv-localstack"
+LS_PACKAGES = [
+    "localstack-core[runtime]==2026.3.0", "cbor2<6", "pyopenssl<25", "cryptography<45",
+    "service-identity",
+]
+REGION = "us-east-1"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name, "").strip()
+    return int(v) if v else default
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name, "").strip()
+    return float(v) if v else default
+
+
+def daemon_concurrency() -> tuple[int, int]:
+    """(pollers, in-flight batches) exactly as the daemon will compute them."""
+    fields = Settings.model_fields
+    pollers = _env_int("INGEST_POLLERS", fields["pollers"].default)
+    inflight = _env_int("INGEST_MAX_INFLIGHT_BATCHES", fields["max_inflight_batches"].default)
+    return pollers, inflight or pollers * 2
+
+
+# -- message bodies --------------------------------------------------------------------
+
+
+def make_body(run: str, i: int) -> str:
+    """~300 bytes: an entity.upsert of a distinct entity (no row contention)."""
+    doc = {
+        "request_id": f"{run}-{i:08d}",
+        "type": "entity.upsert",
+        "payload": {
+            "entity_id": f"ent-{run}-{i:08d}",
+            "version": 1,
+            "data": {"name": f"customer {i}", "email": f"user{i}@example.com",
+                     "plan": "pro", "seats": i % 50, "tags": ["bench", "throughput"],
+                     "note": "x" * 88},
+        },
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+# -- LocalStack (host mode) ------------------------------------------------------------
+
+
+def _pyenv_python313() -> str:
+    explicit = os.environ.get("LOCALSTACK_PYTHON")
+    if explicit:
+        return explicit
+    try:
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        root = os.path.expanduser("~/.pyenv")
+    py = Path(root) / "versions" / "3.13.0" / "bin" / "python3"
+    if not py.exists():
+        raise SystemExit(f"bench: need Python 3.13 for LocalStack at {py} "
+                         "(or set LOCALSTACK_PYTHON)")
+    return str(py)
+
+
+def ensure_localstack_venv() -> Path:
+    py = LS_VENV / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import localstack.runtime.main"],
+                                      capture_output=True).returncode == 0:
+        return py
+    print(f"bench: creating {LS_VENV.relative_to(ROOT)} (LocalStack, one-off)", flush=True)
+    subprocess.run([_pyenv_python313(), "-m", "venv", str(LS_VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    *LS_PACKAGES], check=True)
+    return py
+
+
+@dataclass
+class LocalStack:
+    url: str
+    pid: int
+    version: str
+
+
+@contextlib.contextmanager
+def localstack_server() -> Iterator[LocalStack]:
+    py = ensure_localstack_venv()
+    tmp = tempfile.mkdtemp(prefix="bench-localstack-")
+    port = free_port()
+    env = {
+        **os.environ,
+        "GATEWAY_LISTEN": f"127.0.0.1:{port}", "SERVICES": "sqs", "EAGER_SERVICE_LOADING": "1",
+        "DNS_ADDRESS": "0", "SKIP_SSL_CERT_DOWNLOAD": "1", "DISABLE_EVENTS": "1",
+        "SQS_ENDPOINT_STRATEGY": "path", "LOCALSTACK_HOST": f"127.0.0.1:{port}",
+        "LOCALSTACK_VOLUME_DIR": f"{tmp}/volume",
+        "CONFIG_DIR": f"{tmp}/config", "TMPDIR": tmp,
+    }
+    log = open(f"{tmp}/localstack.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(py), "-m", "localstack.runtime.main"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def health() -> dict[str, Any] | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"LocalStack exited {proc.returncode}; see {tmp}/localstack.log")
+        try:
+            with urllib.request.urlopen(url + "/_localstack/health", timeout=1) as r:
+                doc = json.loads(r.read())
+        except OSError:
+            return None
+        return doc if doc.get("services", {}).get("sqs") in ("running", "available") else None
+
+    try:
+        doc = wait_until(health, 60, "LocalStack SQS", interval=0.1)
+        yield LocalStack(url, proc.pid, str(doc.get("version")))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sqs_sync(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("sqs", endpoint_url=endpoint, region_name=REGION)
+
+
+def create_queue(endpoint: str, name: str) -> str:
+    return str(sqs_sync(endpoint).create_queue(
+        QueueName=name, Attributes={"VisibilityTimeout": "60"})["QueueUrl"])
+
+
+def queue_depth(endpoint: str, url: str) -> int:
+    a = sqs_sync(endpoint).get_queue_attributes(
+        QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages",
+                                      "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+    return int(a["ApproximateNumberOfMessages"]) + int(a["ApproximateNumberOfMessagesNotVisible"])
+
+
+async def _send_all(endpoint: str, url: str, bodies: list[str], concurrency: int = 16) -> None:
+    from service.sqs import sqs_client
+
+    async with sqs_client(REGION, endpoint, max_pool_connections=concurrency + 4) as client:
+        chunks = [bodies[i:i + 10] for i in range(0, len(bodies), 10)]
+        it = iter(chunks)
+
+        async def sender() -> None:
+            for chunk in it:
+                resp = await client.send_message_batch(QueueUrl=url, Entries=[
+                    {"Id": str(j), "MessageBody": b} for j, b in enumerate(chunk)])
+                if resp.get("Failed"):
+                    raise RuntimeError(f"send failed: {resp['Failed'][:1]}")
+
+        await asyncio.gather(*(sender() for _ in range(concurrency)))
+
+
+def preload(endpoint: str, url: str, run: str, n: int) -> float:
+    t0 = time.monotonic()
+    asyncio.run(_send_all(endpoint, url, [make_body(run, i) for i in range(n)]))
+    depth = wait_until(lambda: queue_depth(endpoint, url) >= n or None, 30, "queue depth")
+    assert depth
+    return n / (time.monotonic() - t0)
+
+
+# -- /proc sampling --------------------------------------------------------------------
+
+
+def proc_cpu(pid: int) -> float:
+    """utime + stime of one process, seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_status(pid: int, key: str) -> int:
+    """A kB field of /proc/<pid>/status (VmRSS, VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def children_cpu(ppid: int) -> float:
+    """CPU of the direct children of ppid (PostgreSQL backends of the postmaster)."""
+    total = 0.0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid:
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
+class Sampler:
+    """Samples CPU seconds and RSS of a few processes every ``interval`` seconds."""
+
+    def __init__(self, pids: dict[str, int], postmaster: int | None, interval: float = 0.1):
+        self.pids = pids
+        self.postmaster = postmaster
+        self.interval = interval
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def sample(self) -> dict[str, float]:
+        s: dict[str, float] = {"t": time.time()}
+        for name, pid in self.pids.items():
+            try:
+                s[name + "_cpu"] = proc_cpu(pid)
+                s[name + "_rss"] = proc_status(pid, "VmRSS")
+            except OSError:
+                pass
+        if self.postmaster:
+            s["postgres_cpu"] = proc_cpu(self.postmaster) + children_cpu(self.postmaster)
+        return s
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(self.interval)
+        self.samples.append(self.sample())
+
+    def at(self, t: float, key: str) -> float:
+        """Value of ``key`` at time t, linearly interpolated between samples."""
+        pts = [(s["t"], s[key]) for s in self.samples if key in s]
+        if not pts:
+            return float("nan")
+        if t <= pts[0][0]:
+            return pts[0][1]
+        for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+            if t0 <= t <= t1:
+                return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0)
+        return pts[-1][1]
+
+
+def postmaster_pid(datadir: str) -> int | None:
+    try:
+        return int(Path(datadir, "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# -- metrics ---------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)')
+
+
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def histogram(metrics: dict[tuple[str, str], float], name: str) -> list[tuple[float, float]]:
+    """Cumulative (upper bound, count) pairs of a histogram, sorted."""
+    buckets = []
+    for (n, labels), v in metrics.items():
+        if n == name + "_bucket":
+            le = re.search(r'le="([^"]+)"', labels)
+            if le:
+                buckets.append((float(le.group(1)), v))
+    return sorted(buckets)
+
+
+def hist_delta(after: list[tuple[float, float]],
+               before: list[tuple[float, float]] | None) -> list[tuple[float, float]]:
+    if not before:
+        return after
+    b = dict(before)
+    return [(le, v - b.get(le, 0.0)) for le, v in after]
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus' histogram_quantile: linear within the bucket that holds rank q."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, prev = 0.0, 0.0
+    for le, cum in buckets:
+        if cum >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - prev) / (cum - prev) if cum > prev else 0)
+        lower, prev = le, cum
+    return lower
+
+
+# -- phases run in their own process (`throughput.py _ceiling …`, `… _naive …`) ---------
+
+
+async def _ceiling_main(endpoint: str, url: str, n: int, pollers: int, inflight: int) -> dict:
+    """The daemon's receive/ack skeleton with nothing in between: the SQS-only ceiling."""
+    from service.sqs import SqsQueue, sqs_client
+
+    deleted = 0
+    first = last = 0.0
+    cpu_first = 0.0
+    done = asyncio.Event()
+    slots = asyncio.Semaphore(inflight)
+    tasks: set[asyncio.Task[None]] = set()
+    # Same client settings as service/app.py.
+    async with sqs_client(REGION, endpoint, max_pool_connections=pollers * 2 + 10) as client:
+        queue = SqsQueue(client, url)
+
+        async def batch(msgs: list[Any]) -> None:
+            nonlocal deleted, first, last, cpu_first
+            try:
+                await queue.delete_batch(msgs)
+            finally:
+                slots.release()
+            deleted += len(msgs)
+            last = time.time()
+            if not first:
+                first, cpu_first = last, time.process_time()
+            if deleted >= n:
+                done.set()
+
+        async def poll() -> None:
+            while not done.is_set():
+                await slots.acquire()
+                msgs = await queue.receive(10, 20, 60)
+                if not msgs:
+                    slots.release()
+                    continue
+                t = asyncio.create_task(batch(msgs))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+
+        loops = [asyncio.create_task(poll()) for _ in range(pollers)]
+        await done.wait()
+        cpu = time.process_time() - cpu_first
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, *tasks, return_exceptions=True)
+    return {"n": deleted, "first": first, "last": last, "client_cpu": cpu}
+
+
+NAIVE_INSERT = """
+INSERT INTO modifications (request_id, request_type, payload, payload_sha256, status,
+                           sqs_message_id, owner, completed_at)
+VALUES ($1, $2, $3::jsonb, $4, 'COMPLETED', $5, 'naive', now())
+ON CONFLICT (request_id) DO NOTHING
+"""
+NAIVE_ENTITY = """
+INSERT INTO entities AS e (entity_id, version, deleted, data, request_id, updated_at)
+VALUES ($1, $2, false, $3::jsonb, $4, now())
+ON CONFLICT (entity_id) DO UPDATE
+   SET version = EXCLUDED.version, data = EXCLUDED.data, request_id = EXCLUDED.request_id,
+       updated_at = now()
+ WHERE e.version < EXCLUDED.version
+"""
+
+
+async def _naive_main(endpoint: str, url: str, dsn: str, n: int) -> dict:
+    """What a first hand-written loop does: one message, one transaction, one delete."""
+    import hashlib
+
+    import asyncpg
+    from aiobotocore.session import get_session
+
+    conn = await asyncpg.connect(dsn)
+    done = 0
+    first = last = 0.0
+    async with get_session().create_client("sqs", region_name=REGION,
+                                           endpoint_url=endpoint) as sqs:
+        while done < n:
+            resp = await sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=1,
+                                             WaitTimeSeconds=20)
+            for m in resp.get("Messages", []):
+                doc = json.loads(m["Body"])
+                payload = json.dumps(doc["payload"], sort_keys=True)
+                async with conn.transaction():
+                    await conn.execute(NAIVE_INSERT, doc["request_id"], doc["type"], payload,
+                                       hashlib.sha256(payload.encode()).hexdigest(),
+                                       m["MessageId"])
+                    p = doc["payload"]
+                    await conn.execute(NAIVE_ENTITY, p["entity_id"], p["version"],
+                                       json.dumps(p["data"]), doc["request_id"])
+                await sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+                done += 1
+                last = time.time()
+                first = first or last
+    await conn.close()
+    return {"n": done, "first": first, "last": last}
+
+
+def _run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def run_phase_process(args: list[str], timeout: float) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the bench --------------------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    pg_dsn: Any  # callable db -> dsn
+    pg_datadir: str
+    ls: LocalStack
+    results: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0
+
+    def next(self, what: str) -> str:
+        self.seq += 1
+        return f"{what}{self.seq}"
+
+
+def new_database(env: Env, name: str) -> str:
+    import asyncpg
+
+    from service.migrate import migrate
+
+    async def go() -> None:
+        conn = await asyncpg.connect(env.pg_dsn("postgres"))
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        await conn.close()
+        await migrate(env.pg_dsn(name))
+
+    asyncio.run(go())
+    return str(env.pg_dsn(name))
+
+
+def db_window(dsn: str) -> tuple[int, float, float]:
+    import asyncpg
+
+    async def go() -> tuple[int, float, float]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            r = await conn.fetchrow(
+                "SELECT count(*) AS n, extract(epoch FROM min(completed_at)) AS first,"
+                " extract(epoch FROM max(completed_at)) AS last"
+                " FROM modifications WHERE status = 'COMPLETED'")
+            return int(r["n"]), float(r["first"] or 0), float(r["last"] or 0)
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+class CountPoller:
+    """One connection kept open to count COMPLETED rows cheaply while the daemon drains."""
+
+    def __init__(self, dsn: str) -> None:
+        import asyncpg
+
+        self.loop = asyncio.new_event_loop()
+        self.conn = self.loop.run_until_complete(asyncpg.connect(dsn))
+
+    def completed(self) -> int:
+        return int(self.loop.run_until_complete(self.conn.fetchval(
+            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'")))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.conn.close())
+        self.loop.close()
+
+
+def phase_ceiling(env: Env, n: int, endpoint: str, label: str) -> dict[str, Any]:
+    pollers, inflight = daemon_concurrency()
+    url = create_queue(env.ls.url, env.next("ceiling"))
+    send_rate = preload(env.ls.url, url, label, n)
+    with Sampler({"localstack": env.ls.pid}, None) as s:
+        r = run_phase_process(["_ceiling", endpoint, url, str(n), str(pollers), str(inflight)],
+                              timeout=max(300, n / 20))
+    span = r["last"] - r["first"]
+    ls_cpu = s.at(r["last"], "localstack_cpu") - s.at(r["first"], "localstack_cpu")
+    return {"label": label, "n": r["n"], "seconds": span, "rate": r["n"] / span,
+            "pollers": pollers, "inflight_batches": inflight,
+            "client_cpu_us_per_msg": r["client_cpu"] / r["n"] * 1e6,
+            "localstack_cpu_us_per_msg": ls_cpu / r["n"] * 1e6,
+            "preload_rate": send_rate}
+
+
+def phase_naive(env: Env, n: int) -> dict[str, Any]:
+    dsn = new_database(env, env.next("naive"))
+    url = create_queue(env.ls.url, env.next("naive"))
+    preload(env.ls.url, url, "naive", n)
+    r = run_phase_process(["_naive", env.ls.url, url, dsn, str(n)], timeout=max(600, n / 10))
+    span = r["last"] - r["first"]
+    return {"label": "naive", "n": r["n"], "seconds": span, "rate": r["n"] / span}
+
+
+def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = False,
+                 soak: float = 0.0, soak_rate: int = 0) -> dict[str, Any]:
+    dsn = new_database(env, env.next("daemon"))
+    url = create_queue(env.ls.url, env.next("daemon"))
+    if not soak:
+        preload(env.ls.url, url, label, n)
+    port = free_port()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    log_path = RESULTS / f"daemon-{label}.log"
+    denv = {**os.environ, "INGEST_QUEUE_URL": url, "INGEST_DATABASE_URL": dsn,
+            "INGEST_SQS_ENDPOINT_URL": endpoint, "INGEST_HTTP_PORT": str(port),
+            "INGEST_HTTP_HOST": "127.0.0.1"}
+    log = open(log_path, "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "service", "run"], cwd=ROOT, env=denv,
+                            stdout=log, stderr=subprocess.STDOUT)
+    spy: subprocess.Popen[bytes] | None = None
+    profile_path = RESULTS / f"profile-{label}.txt"
+    res: dict[str, Any] = {"label": label, "n": n, "log": str(log_path.relative_to(ROOT))}
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {proc.returncode}; see {log_path}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        pm = postmaster_pid(env.pg_datadir)
+        with Sampler({"daemon": proc.pid, "localstack": env.ls.pid}, pm) as s:
+            wait_until(ready, 60, "daemon /healthz")
+            if profile:
+                spy = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                     str(proc.pid), "--rate", "250", "--format", "raw", "-o", str(profile_path)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            counter = CountPoller(dsn)
+            try:
+                if soak:
+                    res.update(_soak(env, url, port, proc.pid, s, counter, soak, soak_rate))
+                else:
+                    deadline = time.monotonic() + max(120, n / 20)
+                    while counter.completed() < n:
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"daemon exited {proc.returncode}; see {log_path}")
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("daemon did not drain the queue in time")
+                        time.sleep(0.2)
+            finally:
+                counter.close()
+            wait_until(lambda: queue_depth(env.ls.url, url) == 0, 60, "acks of the last batches")
+            metrics = scrape(port)
+            res["peak_rss_mb"] = proc_status(proc.pid, "VmHWM") / 2**20
+            res["rss_end_mb"] = proc_status(proc.pid, "VmRSS") / 2**20
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        done, first, last = db_window(dsn)
+        if not soak:
+            span = last - first
+            lag = histogram(metrics, "sqs_ingest_message_lag_seconds")
+            res.update({
+                "completed": done, "seconds": span, "rate": done / span,
+                "cpu_us_per_msg": (s.at(last, "daemon_cpu") - s.at(first, "daemon_cpu"))
+                / done * 1e6,
+                "localstack_cpu_us_per_msg": (s.at(last, "localstack_cpu")
+                                              - s.at(first, "localstack_cpu")) / done * 1e6,
+                "postgres_cpu_us_per_msg": (s.at(last, "postgres_cpu")
+                                            - s.at(first, "postgres_cpu")) / done * 1e6,
+                "lag_p50": quantile(lag, 0.5), "lag_p99": quantile(lag, 0.99),
+            })
+        res["processed_total"] = sum(v for (k, _), v in metrics.items()
+                                     if k == "sqs_ingest_messages_processed_total")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                res["exit_code"] = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                res["exit_code"] = proc.wait()
+        else:
+            res["exit_code"] = proc.returncode
+        log.close()
+        if spy is not None and spy.poll() is None:
+            spy.kill()
+    if profile and profile_path.exists():
+        res["profile"] = str(profile_path.relative_to(ROOT))
+        res["profile_summary"] = summarize_profile(profile_path)
+    return res
+
+
+def _soak(env: Env, url: str, port: int, pid: int, s: Sampler, counter: CountPoller,
+          seconds: float, rate: int) -> dict[str, Any]:
+    """Steady load: ``rate`` msg/s for ``seconds``; RSS after warm-up and at the end."""
+    from service.sqs import sqs_client
+
+    warmup = min(30.0, seconds / 10)
+    marks: dict[str, Any] = {}
+
+    async def produce() -> int:
+        sent = 0
+        async with sqs_client(REGION, env.ls.url, max_pool_connections=16) as client:
+            t0 = time.monotonic()
+            tick = 0.1
+            per_tick = max(1, round(rate * tick))
+            i = 0
+            while time.monotonic() - t0 < seconds:
+                el = time.monotonic() - t0
+                if "start" not in marks and el >= warmup:
+                    marks["start"] = (time.time(), proc_status(pid, "VmRSS"),
+                                      counter.completed(), scrape(port))
+                bodies = [make_body("soak", i + k) for k in range(per_tick)]
+                i += per_tick
+                await asyncio.gather(*(
+                    client.send_message_batch(QueueUrl=url, Entries=[
+                        {"Id": str(j), "MessageBody": b} for j, b in enumerate(bodies[c:c + 10])])
+                    for c in range(0, len(bodies), 10)))
+                sent += len(bodies)
+                next_at = t0 + (sent / per_tick) * tick
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        return sent
+
+    sent = asyncio.run(produce())
+    wait_until(lambda: counter.completed() >= sent, 120, "soak backlog drained", interval=0.2)
+    end_t, end_rss = time.time(), proc_status(pid, "VmRSS")
+    t0, rss0, done0, m0 = marks["start"]
+    m1 = scrape(port)
+    done1 = counter.completed()
+    lag = hist_delta(histogram(m1, "sqs_ingest_message_lag_seconds"),
+                     histogram(m0, "sqs_ingest_message_lag_seconds"))
+    rss_series = [x["daemon_rss"] for x in s.samples if "daemon_rss" in x and x["t"] >= t0]
+    return {
+        "soak_seconds": seconds, "soak_rate_target": rate, "sent": sent,
+        "soak_rate_achieved": (done1 - done0) / (end_t - t0),
+        "rss_start_mb": rss0 / 2**20, "rss_end_mb_soak": end_rss / 2**20,
+        "rss_min_mb": min(rss_series) / 2**20, "rss_max_mb": max(rss_series) / 2**20,
+        "rss_change_pct": (end_rss - rss0) / rss0 * 100,
+        "cpu_us_per_msg": (s.at(end_t, "daemon_cpu") - s.at(t0, "daemon_cpu"))
+        / max(1, done1 - done0) * 1e6,
+        "lag_p50": quantile(lag, 0.5), "lag_p99": quantile(lag, 0.99),
+    }
+
+
+# -- profile summary --------------------------------------------------------------------
+
+AREAS = [  # first match on a frame's file path wins
+    ("service (our code)", "/service/"),
+    ("asyncpg", "asyncpg"),
+    ("botocore/aiobotocore (SQS client)", "botocore"),
+    ("aiohttp (HTTP client/server)", "aiohttp"),
+    ("pydantic", "pydantic"),
+    ("structlog", "structlog"),
+    ("prometheus_client", "prometheus_client"),
+    ("json (stdlib)", "/json/"),
+    ("asyncio/uvloop", "asyncio"),
+    ("asyncio/uvloop", "uvloop"),
+]
+
+
+def _frame_area(frame: str) -> str:
+    for area, needle in AREAS:
+        if needle in frame:
+            return area
+    return "other (stdlib, urllib3, ...)"
+
+
+def summarize_profile(path: Path, top: int = 25) -> dict[str, Any]:
+    """Self time per function and per library, inclusive time per service function."""
+    self_fn: dict[str, int] = defaultdict(int)
+    self_area: dict[str, int] = defaultdict(int)
+    incl_service: dict[str, int] = defaultdict(int)
+    incl_area: dict[str, int] = defaultdict(int)
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        c = int(count)
+        total += c
+        frames = stack.split(";")
+        leaf = frames[-1]
+        self_fn[leaf] += c
+        self_area[_frame_area(leaf)] += c
+        seen: set[str] = set()
+        for fr in frames:
+            if "/service/" in fr:
+                key = re.sub(r":\d+\)$", ")", fr)
+                if key not in seen:
+                    seen.add(key)
+                    incl_service[key] += c
+        for a in {_frame_area(f) for f in frames}:
+            incl_area[a] += c
+
+    def pct(d: dict[str, int]) -> list[tuple[str, float]]:
+        return [(k, round(v / total * 100, 1))
+                for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": total, "self_by_area_pct": pct(self_area),
+            "inclusive_by_area_pct": pct(incl_area), "self_by_function_pct": pct(self_fn),
+            "inclusive_service_functions_pct": pct(incl_service)}
+
+
+# -- main -------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = "?"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = proc_meminfo_total()
+    pg = "?"
+    with contextlib.suppress(Exception):
+        from tests.servers import _pg_bin
+
+        pg = subprocess.run([_pg_bin("postgres"), "--version"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": mem,
+            "kernel": platform.release(), "python": platform.python_version(), "postgres": pg}
+
+
+def proc_meminfo_total() -> float:
+    with open("/proc/meminfo") as f:
+        return round(int(f.readline().split()[1]) / 2**20, 1)
+
+
+def fmt(v: Any, spec: str = ",.0f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = []
+    m = r["machine"]
+    lines.append(f"machine: {m['cores']} cores {m['cpu']}, {m['memory_gib']} GiB, "
+                 f"Python {m['python']}, {m['postgres']}, LocalStack {r['localstack']}")
+    lines.append(f"N={r['n']}  pollers={r['pollers']}  inflight_batches={r['inflight_batches']}")
+    lines.append(f"{'phase':<22}{'msgs':>8}{'seconds':>9}{'msg/s':>9}")
+    for key in ("ceiling", "naive", "daemon", "ceiling_latency", "daemon_latency",
+                "daemon_profiled"):
+        p = r.get(key)
+        if p and "rate" in p:
+            lines.append(f"{p['label']:<22}{p['n']:>8}{p['seconds']:>9.2f}{p['rate']:>9,.0f}")
+    d, c, nv = r.get("daemon"), r.get("ceiling"), r.get("naive")
+    if d:
+        if c:
+            lines.append(f"daemon/ceiling = {d['rate'] / c['rate']:.2f}   (target >= 0.95)")
+        if nv:
+            lines.append(f"daemon/naive   = {d['rate'] / nv['rate']:.1f}x")
+        lines.append(f"daemon CPU/msg = {d['cpu_us_per_msg']:.0f} us   (target <= 250); "
+                     f"LocalStack {d['localstack_cpu_us_per_msg']:.0f} us, "
+                     f"PostgreSQL {d['postgres_cpu_us_per_msg']:.0f} us")
+        lines.append(f"daemon peak RSS (VmHWM) = {d['peak_rss_mb']:.1f} MB   (target <= 120)")
+        lines.append(f"message_lag_seconds p50 = {fmt(d['lag_p50'], '.2f')} s, "
+                     f"p99 = {fmt(d['lag_p99'], '.2f')} s  (preloaded backlog: time in queue)")
+        lines.append(f"daemon exit code after SIGTERM = {d['exit_code']}")
+    if c:
+        lines.append(f"ceiling client CPU/msg = {c['client_cpu_us_per_msg']:.0f} us, "
+                     f"LocalStack CPU/msg = {c['localstack_cpu_us_per_msg']:.0f} us")
+    dl = r.get("daemon_latency")
+    if dl and d:
+        cl = r.get("ceiling_latency")
+        lines.append(f"with LATENCY_MS={r['latency_ms']:g}: daemon {dl['rate']:,.0f} msg/s = "
+                     f"{dl['rate'] / d['rate']:.2f} x zero-latency daemon (target >= 0.8)"
+                     + (f"; daemon/ceiling at that latency = {dl['rate'] / cl['rate']:.2f}"
+                        if cl else ""))
+    sk = r.get("soak")
+    if sk:
+        lines.append(f"soak {sk['soak_seconds']:g}s at {sk['soak_rate_target']} msg/s "
+                     f"(achieved {sk['soak_rate_achieved']:.0f}): RSS start "
+                     f"{sk['rss_start_mb']:.1f} MB, end {sk['rss_end_mb_soak']:.1f} MB "
+                     f"({sk['rss_change_pct']:+.1f} %, target ±10 %), min/max "
+                     f"{sk['rss_min_mb']:.1f}/{sk['rss_max_mb']:.1f} MB; "
+                     f"CPU/msg {sk['cpu_us_per_msg']:.0f} us; lag p50 "
+                     f"{fmt(sk['lag_p50'], '.3f')} s, p99 {fmt(sk['lag_p99'], '.3f')} s")
+    dp = r.get("daemon_profiled")
+    if dp and "profile_summary" in dp:
+        ps = dp["profile_summary"]
+        lines.append(f"profile ({ps['samples']} samples, {dp['profile']}): self time by area:")
+        for k, v in ps["self_by_area_pct"]:
+            lines.append(f"  {v:5.1f} %  {k}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=_env_int("N", 20_000))
+    ap.add_argument("--naive-n", type=int, default=None)
+    ap.add_argument("--latency-ms", type=float, default=_env_float("LATENCY_MS", 0))
+    ap.add_argument("--soak", type=float, default=_env_float("SOAK", 0))
+    ap.add_argument("--soak-rate", type=int, default=_env_int("SOAK_RATE", 500))
+    ap.add_argument("--profile", action="store_true",
+                    default=os.environ.get("PROFILE", "") not in ("", "0"))
+    ap.add_argument("--phases", default=os.environ.get("PHASES", "ceiling,naive,daemon"))
+    a = ap.parse_args()
+    naive_n = a.naive_n or _env_int("NAIVE_N", min(a.n, 5_000))
+    phases = {p.strip() for p in a.phases.split(",") if p.strip()}
+    pollers, inflight = daemon_concurrency()
+    r: dict[str, Any] = {"machine": machine(), "n": a.n, "naive_n": naive_n,
+                         "pollers": pollers, "inflight_batches": inflight,
+                         "latency_ms": a.latency_ms, "started": time.strftime("%FT%TZ", time.gmtime()),
+                         "ingest_env": {k: v for k, v in os.environ.items()
+                                        if k.startswith("INGEST_")}}
+    t0 = time.monotonic()
+    with postgres_server() as pg, localstack_server() as ls:
+        r["localstack"] = ls.version
+        env = Env(pg.dsn, pg.datadir, ls)
+
+        def step(key: str, fn: Any, *args: Any, **kw: Any) -> None:
+            print(f"bench: {key} ...", flush=True)
+            r[key] = fn(*args, **kw)
+            p = r[key]
+            if "rate" in p:
+                print(f"bench: {key}: {p['n']} msgs in {p['seconds']:.2f} s = "
+                      f"{p['rate']:,.0f} msg/s", flush=True)
+
+        if "ceiling" in phases:
+            step("ceiling", phase_ceiling, env, a.n, ls.url, "ceiling")
+        if "naive" in phases:
+            step("naive", phase_naive, env, naive_n)
+        if "daemon" in phases:
+            step("daemon", phase_daemon, env, a.n, ls.url, "daemon")
+        if a.latency_ms:
+            from tests.faultproxy import FaultProxy
+
+            with FaultProxy(ls.url, latency_ms=a.latency_ms) as proxy:
+                tag = f"latency{a.latency_ms:g}ms"
+                if "ceiling" in phases:
+                    step("ceiling_latency", phase_ceiling, env, a.n, proxy.url, f"ceiling+{tag}")
+                step("daemon_latency", phase_daemon, env, a.n, proxy.url, f"daemon+{tag}")
+        if a.profile:
+            step("daemon_profiled", phase_daemon, env, a.n, ls.url, "daemon-profiled",
+                 profile=True)
+        if a.soak:
+            step("soak", phase_daemon, env, 0, ls.url, "soak", soak=a.soak,
+                 soak_rate=a.soak_rate)
+    r["wall_seconds"] = time.monotonic() - t0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(r, indent=2, default=str))
+    print()
+    print(report(r))
+    print(f"\nfull results: {out.relative_to(ROOT)}  (wall {r['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_ceiling":
+        ep, url, n, pollers, inflight = sys.argv[2:7]
+        print(json.dumps(_run_async(_ceiling_main(ep, url, int(n), int(pollers), int(inflight)))))
+        sys.exit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "_naive":
+        ep, url, dsn, n = sys.argv[2:6]
+        print(json.dumps(_run_async(_naive_main(ep, url, dsn, int(n)))))
+        sys.exit(0)
+    sys.exit(main())

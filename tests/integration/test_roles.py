@@ -1,0 +1,165 @@
+"""deploy/sql/roles.sql on a throwaway cluster, applied the way its header says (psql +
+PGOPTIONS passwords), then the documented deployment: migrate as ``sqs_ingest_owner``, run
+the daemon and ``dlq`` as ``sqs_ingest_app`` with a password in the DSN.
+
+The cluster's pg_hba is switched to scram-sha-256 for the two roles, so the password is
+actually checked (initdb's ``-A trust`` would accept anything).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from service.migrate import migrate
+from tests.acceptance.harness import Daemon, daemon_env, send_all, upsert, wait_drained
+from tests.servers import Postgres, _pg_bin, postgres_server, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES_SQL = REPO / "deploy/sql/roles.sql"
+DB = "ingest"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Postgres, str, str]]:
+    """A cluster with roles.sql applied, scram auth for the roles, the schema migrated as
+    the owner. Yields (cluster, owner password, app password)."""
+    owner_pw = "own-" + uuid.uuid4().hex
+    app_pw = "app-" + uuid.uuid4().hex
+    with postgres_server() as pg:
+        subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q", "-d", pg.dsn(),
+                        "-c", f"CREATE DATABASE {DB}"], check=True, capture_output=True)
+        env = {**os.environ, "PGOPTIONS": f"-c sqs_ingest.owner_password={owner_pw} "
+                                          f"-c sqs_ingest.app_password={app_pw}"}
+        for _ in range(2):  # the header promises it is idempotent
+            res = subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q",
+                                  "-d", pg.dsn(DB), "-f", str(ROLES_SQL)],
+                                 env=env, capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr
+        hba = Path(pg.datadir) / "pg_hba.conf"
+        scram = "".join(f"host all {r} 127.0.0.1/32 scram-sha-256\n"
+                        for r in ("sqs_ingest_owner", "sqs_ingest_app"))
+        # First match wins: the role lines go before initdb's "trust" lines.
+        hba.write_text(scram + hba.read_text())
+        subprocess.run([_pg_bin("psql"), "-q", "-d", pg.dsn(), "-c", "SELECT pg_reload_conf()"],
+                       check=True, capture_output=True)
+        asyncio.run(migrate(role_dsn(pg, "sqs_ingest_owner", owner_pw)))
+        yield pg, owner_pw, app_pw
+
+
+def role_dsn(pg: Postgres, role: str, password: str, db: str = DB) -> str:
+    return f"postgresql://{role}:{password}@127.0.0.1:{pg.port}/{db}"
+
+
+async def test_passwords_are_checked_and_tables_owned_by_owner(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    pg, _, app_pw = cluster
+    with pytest.raises(asyncpg.InvalidPasswordError):
+        await asyncpg.connect(role_dsn(pg, "sqs_ingest_app", "wrong-" + app_pw))
+    conn = await asyncpg.connect(role_dsn(pg, "sqs_ingest_app", app_pw))
+    try:
+        owners = {r["tableowner"] for r in await conn.fetch(
+            "SELECT tableowner FROM pg_tables WHERE schemaname = 'public'")}
+        assert owners == {"sqs_ingest_owner"}
+        assert await conn.fetchval("SELECT current_user") == "sqs_ingest_app"
+    finally:
+        await conn.close()
+
+
+async def test_app_role_has_no_ddl(cluster: tuple[Postgres, str, str]) -> None:
+    pg, _, app_pw = cluster
+    conn = await asyncpg.connect(role_dsn(pg, "sqs_ingest_app", app_pw))
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("CREATE TABLE sneaky (id int)")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("CREATE TEMPORARY TABLE sneaky_tmp (id int)")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("ALTER TABLE dead_letters ADD COLUMN x int")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("DROP TABLE entities")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("TRUNCATE modifications")
+    finally:
+        await conn.close()
+
+
+async def test_daemon_and_dlq_run_as_app_role_without_leaking_the_password(
+    cluster: tuple[Postgres, str, str], tmp_path: Path, queue_url: str, sqs_endpoint: str,
+    sqs_client: Any,
+) -> None:
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    rid = uuid.uuid4().hex[:8]
+    poison = f"poison {rid} not json"
+    bodies = [upsert(f"{rid}-{i}", f"{rid}-e{i}", 1) for i in range(10)] + [poison]
+
+    d = Daemon(daemon_env(dsn, queue_url, sqs_endpoint), tmp_path)
+    try:
+        d.start().wait_ready()
+        send_all(sqs_client, queue_url, bodies)
+        wait_drained(sqs_client, queue_url, [d])
+        wait_until(lambda: d.metric("sqs_ingest_messages_processed_total") == 11, 20,
+                   "11 processed")
+        assert d.stop() == 0, d.logs()
+    finally:
+        if d.proc is not None and not d.exited():
+            d.proc.kill()
+            d.wait(10)
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        done = await conn.fetchval(
+            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED' AND request_id LIKE $1",
+            f"{rid}-%")
+        assert done == 10
+        stored = await conn.fetchval("SELECT body FROM dead_letters WHERE body = $1", poison)
+        assert stored == poison
+    finally:
+        await conn.close()
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("INGEST_")},
+           "INGEST_DATABASE_URL": dsn, "INGEST_QUEUE_URL": queue_url,
+           "INGEST_SQS_ENDPOINT_URL": sqs_endpoint}
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "service", "dlq", *argv], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    ls = await asyncio.to_thread(cli, "list", "--format", "json")
+    assert ls.returncode == 0, ls.stderr
+    letters = [x for x in json.loads(ls.stdout) if x["body"] == poison]
+    assert len(letters) == 1
+    rp = await asyncio.to_thread(cli, "replay", "--id", str(letters[0]["id"]))
+    assert rp.returncode == 0, rp.stderr
+
+    logs = d.logs() + ls.stdout + ls.stderr + rp.stdout + rp.stderr
+    assert "sqs_ingest_app:***@" in d.logs(), "expected the redacted DSN in the start line"
+    assert app_pw not in logs
+
+
+@pytest.mark.parametrize("command", [["run"], ["migrate"], ["gc"], ["dlq", "list"]])
+def test_password_never_in_error_output(
+    cluster: tuple[Postgres, str, str], tmp_path: Path, queue_url: str, sqs_endpoint: str,
+    command: list[str],
+) -> None:
+    """Failure paths print the DSN, not the password: a database that does not exist."""
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw, db="no_such_db")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("INGEST_")},
+           **daemon_env(dsn, queue_url, sqs_endpoint), "INGEST_HTTP_PORT": "0"}
+    res = subprocess.run([sys.executable, "-m", "service", *command], env=env,
+                         capture_output=True, text=True, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert app_pw not in out, out
