@@ -165,7 +165,7 @@ def localstack_server() -> Iterator[LocalStack]:
         "LOCALSTACK_VOLUME_DIR": f"{tmp}/volume",
         "CONFIG_DIR": f"{tmp}/config", "TMPDIR": tmp,
     }
-    log = open(f"{tmp}/localstack.log", "wb")  # noqa: SIM115
+    log = open(f"{tmp}/localstack.log", "wb")
     proc = subprocess.Popen([str(py), "-m", "localstack.runtime.main"], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -600,7 +600,7 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
     denv = {**os.environ, "INGEST_QUEUE_URL": url, "INGEST_DATABASE_URL": dsn,
             "INGEST_SQS_ENDPOINT_URL": endpoint, "INGEST_HTTP_PORT": str(port),
             "INGEST_HTTP_HOST": "127.0.0.1"}
-    log = open(log_path, "wb")  # noqa: SIM115
+    log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service", "run"], cwd=ROOT, env=denv,
                             stdout=log, stderr=subprocess.STDOUT)
     spy: subprocess.Popen[bytes] | None = None

@@ -20,6 +20,9 @@ from service.worker import EXIT_FATAL, Worker
 log = structlog.get_logger("sqs_ingest.app")
 
 
+_RETRYABLE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, TransientError)
+
+
 class _Startup:
     """Readiness while the daemon is still connecting (DB or SQS not there yet)."""
 
@@ -45,7 +48,7 @@ async def _retry(what: str, attempt, stop: asyncio.Event):  # type: ignore[no-un
     while True:
         try:
             return await attempt()
-        except (*CONNECTION_ERRORS, TransientError) as exc:
+        except _RETRYABLE as exc:
             log.warning(f"{what}_unavailable", error=str(exc), retry_in=round(delay, 2))
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _settings_for(command: str) -> Settings:
-    if command in ("migrate", "gc"):
+    if command in ("migrate", "gc", "dlq"):
         # These only need the database; the queue URL may be absent in a migrate Job.
         return load_settings(queue_url="http://unused.invalid/queue") if _missing_queue() \
             else load_settings()
@@ -115,19 +115,21 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
 
-        return uvloop.run(coro)  # type: ignore[no-any-return]
+        return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
 
 
 async def _migrate(settings: Settings) -> int:
+    import asyncpg
+
     from service.migrate import migrate
 
     try:
         applied = await migrate(settings.database_url)
-    except OSError as exc:
-        print(f"sqs-ingest: cannot reach {redact_dsn(settings.database_url)}: {exc}",
-              file=sys.stderr)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        print(f"sqs-ingest: migrate failed on {redact_dsn(settings.database_url)}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"applied {len(applied)} migration(s)" + (
         ": " + ", ".join(f"{m.version:03d}_{m.name}" for m in applied) if applied else ""))
@@ -139,7 +141,12 @@ async def _gc(settings: Settings) -> int:
 
     from service.store import Store, create_pool
 
-    pool = await create_pool(settings.database_url, 2)
+    try:
+        pool = await create_pool(settings.database_url, 2)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        print(f"sqs-ingest: gc cannot connect to {redact_dsn(settings.database_url)}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     try:
         store = Store(pool, worker_id="gc-cli")
         rows = await store.gc(settings.worker_lease)

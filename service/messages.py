@@ -71,7 +71,8 @@ def parse(raw: Received, registry: Registry) -> Message | Poison:
         except orjson.JSONDecodeError as exc:
             return Poison(raw, "invalid_json", f"SNS Message: {exc}")
     if not isinstance(doc, dict):
-        return Poison(raw, "invalid_envelope", f"body is a JSON {type(doc).__name__}, not an object")
+        kind = type(doc).__name__
+        return Poison(raw, "invalid_envelope", f"body is a JSON {kind}, not an object")
     request_id, mtype, payload = doc.get("request_id"), doc.get("type"), doc.get("payload")
     if not isinstance(request_id, str) or not request_id:
         return Poison(raw, "missing_request_id", "request_id must be a non-empty string")

@@ -90,7 +90,9 @@ Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]
 
 def make_app(healthy: Check, readiness: Check) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def healthz(_: web.Request) -> web.Response:
         ok, detail = await healthy()

@@ -244,8 +244,8 @@ class Store:
                                     await conn.execute(Q["clear_attempts"], retried)
                     except _Rollback:
                         assert failed_at is not None
-                        bad, exc = failed_at
-                        result.failed.append((bad, exc))
+                        bad, err = failed_at
+                        result.failed.append((bad, err))
                         todo.remove(bad)
                         if fifo and bad.raw.group_id is not None:
                             idx_after = [m for m in todo if m.raw.group_id == bad.raw.group_id

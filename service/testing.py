@@ -74,7 +74,7 @@ class FakeQueue:
         now = time.monotonic()
         ordered = sorted(self.messages.values(), key=lambda m: self._seq[m.message_id])
         busy_groups = {m.group_id for m in ordered if self.fifo and m.visible_at > now}
-        out = []
+        out: list[Received] = []
         for m in ordered:
             if len(out) == n:
                 break
@@ -172,7 +172,7 @@ class FakeStore:
                 res.lost.append(m)
                 continue
             try:
-                out = await call(m, None)  # type: ignore[arg-type]
+                out = await call(m, None)
             except Exception as exc:
                 res.failed.append((m, exc))
                 if fifo and m.raw.group_id is not None:

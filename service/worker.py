@@ -80,6 +80,7 @@ class Worker:
         self._holding: collections.Counter[str] = collections.Counter()
         self._oldest_sent: float | None = None
         self._forced = False
+        self._force = asyncio.Event()
         self._stop_requested_at = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -90,6 +91,7 @@ class Worker:
             if time.monotonic() - self._stop_requested_at < 1.0:
                 return  # one signal delivered twice (process group + child), not a second one
             self._forced = True
+            self._force.set()
             log.warning("forced_shutdown")
             self._done.set()
             return
@@ -145,15 +147,16 @@ class Worker:
             t.cancel()
         if self._probe:
             self._probe.cancel()
+        forced = asyncio.create_task(self._force.wait())
         while True:
             pending = [t for t in (*self._pollers, *self._batches) if not t.done()]
             remaining = deadline - time.monotonic()
             if not pending or remaining <= 0 or self._forced:
                 break
             await asyncio.wait(
-                pending + [asyncio.ensure_future(self._forced_wait())],
-                timeout=remaining, return_when=asyncio.FIRST_COMPLETED,
+                [*pending, forced], timeout=remaining, return_when=asyncio.FIRST_COMPLETED
             )
+        forced.cancel()
         stuck = [t for t in (*self._pollers, *self._batches) if not t.done()]
         if stuck:
             log.warning("shutdown_deadline_cancelling", tasks=[t.get_name() for t in stuck])
@@ -171,10 +174,6 @@ class Worker:
         if self._forced and self.exit_code == EXIT_OK:
             self.exit_code = EXIT_FATAL
         log.info("worker_stopped", exit_code=self.exit_code)
-
-    async def _forced_wait(self) -> None:
-        while not self._forced:
-            await asyncio.sleep(0.1)
 
     # -- health ------------------------------------------------------------------------
 
@@ -337,14 +336,14 @@ class Worker:
 
         if acks:
             await self.queue.delete_batch(acks)
-            for m in acks:
-                unresolved.pop(m.message_id, None)
+            for r in acks:
+                unresolved.pop(r.message_id, None)
         for type_, outcome in outcomes:
             metrics.messages_processed.labels(type_, outcome).inc()
         if releases:
             await self._change_visibility(releases)
-            for m, _ in releases:
-                unresolved.pop(m.message_id, None)
+            for r, _ in releases:
+                unresolved.pop(r.message_id, None)
 
     def _classify(
         self,
@@ -571,7 +570,8 @@ class Worker:
             else:
                 visible = int(attrs.get("ApproximateNumberOfMessages", "0"))
                 metrics.queue_visible.set(visible)
-                metrics.queue_not_visible.set(int(attrs.get("ApproximateNumberOfMessagesNotVisible", "0")))
+                metrics.queue_not_visible.set(
+                    int(attrs.get("ApproximateNumberOfMessagesNotVisible", "0")))
                 if self._oldest_sent is not None:
                     metrics.queue_oldest_age.set(max(0.0, time.time() - self._oldest_sent))
                 elif visible == 0:

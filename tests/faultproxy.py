@@ -6,7 +6,7 @@ Modes for DeleteMessageBatch / DeleteMessage (SQS JSON protocol, ``X-Amz-Target`
 - ``lie``: forward, then answer 500 (the delete happened, the caller is told it failed);
 - ``partial``: forward all entries but the first, answer 200 with the first in ``Failed``.
 
-``latency_ms`` delays every request (real SQS is 10–30 ms away). Runs in a thread with its
+``latency_ms`` delays every request (real SQS is 10-30 ms away). Runs in a thread with its
 own event loop, so the daemon under test can be a separate process.
 """
 

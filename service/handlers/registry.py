@@ -16,7 +16,7 @@ HandlerFn = Callable[[Any, asyncpg.Connection], Awaitable[dict[str, Any] | None]
 
 @dataclass(frozen=True)
 class HandlerSpec:
-    type: str
+    name: str
     model: type[BaseModel]
     fn: HandlerFn
 

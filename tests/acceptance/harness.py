@@ -34,7 +34,7 @@ class Daemon:
 
     def start(self) -> Daemon:
         self.starts += 1
-        log = open(self.log_dir / f"{self.name}.{self.starts}.log", "wb")  # noqa: SIM115
+        log = open(self.log_dir / f"{self.name}.{self.starts}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "service", "run"], env=self.env,
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
