@@ -20,12 +20,14 @@ if sys.argv[1:2] == ["run"]:
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import os  # noqa: E402
 from collections.abc import Coroutine  # noqa: E402
 from typing import Any  # noqa: E402
 
 from service.settings import ConfigError, Settings, load_settings, redact_dsn  # noqa: E402
 
 EXIT_CONFIG = 2
+NO_QUEUE = "http://no-queue.invalid/not-configured"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return reconcile_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        settings = _settings_for(args.command)
+        settings = _settings_for(args)
     except ConfigError as exc:
         print(f"sqs-ingest: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -97,18 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
-def _settings_for(command: str) -> Settings:
-    if command in ("migrate", "gc", "dlq"):
-        # These only need the database; the queue URL may be absent in a migrate Job.
-        return load_settings(queue_url="http://unused.invalid/queue") if _missing_queue() \
-            else load_settings()
+def _settings_for(args: argparse.Namespace) -> Settings:
+    # migrate, gc and dlq list only need the database: a migrate Job may have no queue URL.
+    db_only = args.command in ("migrate", "gc") or (
+        args.command == "dlq" and args.dlq_command == "list"
+    )
+    if db_only and not os.environ.get("INGEST_QUEUE_URL"):
+        return load_settings(queue_url=NO_QUEUE)
     return load_settings()
-
-
-def _missing_queue() -> bool:
-    import os
-
-    return not os.environ.get("INGEST_QUEUE_URL")
 
 
 def _run_async(coro: Coroutine[Any, Any, int]) -> int:
