@@ -312,7 +312,10 @@ class Worker:
                 self._holding[rid] += 1
                 claimed.append(rid)
             claims = await self.store.claim(list(primaries.values()))
-            to_apply = self._classify(primaries, claims, letters, acks, releases, outcomes)
+            to_apply, unclaim = self._classify(
+                primaries, claims, letters, acks, releases, outcomes)
+            if unclaim:
+                await self.store.release(unclaim)
         else:
             to_apply = []
 
@@ -353,8 +356,14 @@ class Worker:
         acks: list[Received],
         releases: list[tuple[Received, int]],
         outcomes: list[tuple[str, str]],
-    ) -> list[Message]:
+    ) -> tuple[list[Message], list[str]]:
+        """Sort claim results into apply / duplicate / conflict / defer.
+
+        Returns the messages to apply and the claims to give back at once (FIFO messages
+        claimed behind a message of their group that has to wait).
+        """
         to_apply: list[Message] = []
+        unclaim: list[str] = []
         blocked_groups: set[str] = set()
         fifo = self.s.is_fifo
         for m in primaries.values():  # batch order: FIFO order within a group
@@ -362,6 +371,8 @@ class Worker:
             group = m.raw.group_id
             if fifo and group is not None and group in blocked_groups:
                 releases.append((m.raw, 0))
+                if c.claimed:
+                    unclaim.append(m.request_id)
                 continue
             if c.claimed:
                 m.failures = c.failures
@@ -387,7 +398,7 @@ class Worker:
                 metrics.contention_deferrals.inc()
                 if fifo and group is not None:
                     blocked_groups.add(group)
-        return to_apply
+        return to_apply, unclaim
 
     async def _call_handler(self, m: Message, conn: asyncpg.Connection) -> dict[str, Any] | None:
         spec = self.registry.get(m.type)

@@ -91,8 +91,10 @@ RETURNING m.request_id, m.owner, m.sqs_message_id
 -- name: gc_own_leaks
 -- Claims of this very process that no batch holds any more (a batch whose release
 -- failed while the database was down).
+-- The age margin keeps a claim made after the caller took its snapshot of $2 safe.
 DELETE FROM modifications
  WHERE owner = $1 AND status = 'IN_PROGRESS' AND NOT (request_id = ANY($2::text[]))
+   AND received_at < now() - interval '30 seconds'
 RETURNING request_id
 
 -- name: prune_workers

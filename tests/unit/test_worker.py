@@ -253,3 +253,19 @@ def _hash(payload: dict[str, Any]) -> str:
     from service.messages import payload_hash
 
     return payload_hash(payload)
+
+
+async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
+    registry: Registry, calls: list[int]
+) -> None:
+    from service.testing import _Row
+
+    q = FakeQueue(fifo=True)
+    q.send(body("a1", 1), "A")
+    q.send(body("a2", 2), "A")
+    async with Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q) as h:
+        h.store.rows["a1"] = _Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
+        await until(lambda: len(q.visibility_calls) >= 2, "both deferred")
+        assert calls == []
+        assert "a2" not in h.store.rows  # claimed, then given back: no stale claim left
+        assert len(q.messages) == 2
