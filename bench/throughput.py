@@ -17,7 +17,7 @@ measures, one after the other:
 2. naive — one message at a time: receive 1, INSERT modification + upsert entity, COMMIT,
    DeleteMessage, in its own process;
 3. daemon — ``python -m service run`` (= ``sqs-ingest run``) draining the queue; the rate
-   is N / (max − min ``completed_at``) read from the database; CPU seconds per message
+   is N / (max - min ``completed_at``) read from the database; CPU seconds per message
    from /proc/<pid>/stat (utime+stime, sampled, over the same window); peak RSS (VmHWM);
    p50/p99 of ``sqs_ingest_message_lag_seconds`` from /metrics.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -318,7 +319,7 @@ class Sampler:
             return float("nan")
         if t <= pts[0][0]:
             return pts[0][1]
-        for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+        for (t0, v0), (t1, v1) in itertools.pairwise(pts):
             if t0 <= t <= t1:
                 return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0)
         return pts[-1][1]

@@ -59,7 +59,7 @@ async def _retry(what: str, attempt, stop: asyncio.Event):  # type: ignore[no-un
 
 async def run(settings: Settings, early_signals: list[int] | None = None) -> int:
     load_reference_handlers()
-    load_handler_modules(settings.handler_modules)
+    load_handler_modules(settings.handler_modules)  # already imported by the CLI: cached
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     state = _Startup()
@@ -106,6 +106,10 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
                 return 0
             state.sqs = True
             vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
+            if vt < 2:
+                # A zero timeout hides nothing and would make the heartbeat spin.
+                log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
+                vt = 30
             await _retry("database", lambda: store.register_worker(settings.effective_worker_name),
                          stop)
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt)
@@ -113,7 +117,10 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
             if stop.is_set():
                 worker.request_stop()
             code = await worker.run()
-        await pool.close()
+        try:
+            await asyncio.wait_for(pool.close(), timeout=5)
+        except TimeoutError:
+            pool.terminate()
         return code
     except asyncpg.PostgresError as exc:
         log.error("fatal_database_error", error=str(exc))

@@ -82,7 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     if args.command == "run":
         from service import app
+        from service.handlers import load_handler_modules
 
+        try:
+            load_handler_modules(settings.handler_modules)
+        except Exception as exc:  # any import-time failure of user code is a config error
+            print(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         return _run_async(app.run(settings, early_signals=_early_signals))
     if args.command == "migrate":
         return _run_async(_migrate(settings))
@@ -112,10 +119,9 @@ def _settings_for(args: argparse.Namespace) -> Settings:
 def _run_async(coro: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 async def _migrate(settings: Settings) -> int:

@@ -86,6 +86,13 @@ def parse(raw: Received, registry: Registry) -> Message | Poison:
             sent_at = datetime.fromisoformat(str(doc["sent_at"]).replace("Z", "+00:00"))
         except ValueError as exc:
             return Poison(raw, "invalid_envelope", f"sent_at: {exc}", request_id, mtype)
+    if "\x00" in request_id or "\x00" in mtype:
+        return Poison(raw, "invalid_envelope", "request_id/type contain a NUL character")
+    canonical = canonical_json(payload)
+    if b"\\u0000" in canonical:
+        # PostgreSQL's jsonb cannot store U+0000: it would fail the whole batch's claim.
+        return Poison(raw, "invalid_payload", "payload contains a NUL character (\\u0000)",
+                      request_id, mtype)
     spec = registry.get(mtype)
     if spec is None:
         return Poison(raw, "unknown_type", f"no handler for type {mtype!r}", request_id, mtype)
@@ -93,7 +100,8 @@ def parse(raw: Received, registry: Registry) -> Message | Poison:
         model = spec.model.model_validate(payload)
     except ValidationError as exc:
         return Poison(raw, "invalid_payload", _short(exc), request_id, mtype)
-    return Message(raw, request_id, mtype, model, payload, payload_hash(payload), sent_at)
+    return Message(raw, request_id, mtype, model, payload,
+                   hashlib.sha256(canonical).hexdigest(), sent_at)
 
 
 def _short(exc: ValidationError) -> str:

@@ -86,6 +86,13 @@ class Settings(BaseSettings):
             raise ValueError("must be an SQS queue URL (http(s)://…)")
         return v
 
+    @field_validator("sqs_endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http(s):// URL")
+        return v or None
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:

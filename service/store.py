@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any, Protocol
 import asyncpg
 import orjson
 
-from service.errors import DatabaseUnavailable
+from service.errors import DatabaseUnavailable, TransientError
 from service.messages import Message, Poison
 from service.sql import queries
 
@@ -40,6 +41,7 @@ class ClaimResult:
     payload_sha256: str | None
     owner: str | None
     failures: int
+    dead_lettered: bool = False  # this SQS message is already in dead_letters
 
 
 @dataclass(slots=True)
@@ -87,7 +89,7 @@ class StoreSeam(Protocol):
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool
     ) -> ApplyResult: ...
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None: ...
-    async def release(self, request_ids: Sequence[str]) -> None: ...
+    async def release(self, messages: Sequence[Message]) -> None: ...
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int
     ) -> dict[str, int]: ...
@@ -199,12 +201,14 @@ class Store:
 
         A handler that raises is taken out and the transaction is run again without it
         (and, on a FIFO queue, without the later messages of its group), so one bad
-        message never rolls back its neighbours' effects for good.
+        message never rolls back its neighbours' effects for good. A deadlock or
+        serialization failure reruns the transaction as is (it is nobody's fault); a
+        broken connection raises DatabaseUnavailable.
         """
-        import time
-
         result = ApplyResult()
         todo = list(messages)
+        order = {id(m): i for i, m in enumerate(messages)}
+        conflicts = 0
         try:
             async with self.pool.acquire() as conn:
                 while todo:
@@ -217,45 +221,53 @@ class Store:
                                     Q["fence"], [m.request_id for m in todo], self.worker_id
                                 )
                             }
-                            lost = [m for m in todo if m.request_id not in held]
-                            live = [m for m in todo if m.request_id in held]
-                            outputs: list[dict[str, Any] | None] = []
+                            live, lost, blocked = _split_fenced(todo, held, fifo)
+                            outputs: list[str | None] = []
                             for m in live:
                                 try:
-                                    outputs.append(await call(m, conn))
-                                except CONNECTION_ERRORS:
-                                    raise
+                                    outputs.append(_encode_result(await call(m, conn)))
                                 except Exception as exc:
+                                    if _connection_broken(conn, exc):
+                                        raise
+                                    if isinstance(exc, RETRY_TRANSACTION):
+                                        raise _Rerun() from exc
                                     failed_at = (m, exc)
                                     raise _Rollback() from exc
                             if live:
                                 done = await conn.fetch(
-                                    Q["complete"],
-                                    [m.request_id for m in live],
-                                    [orjson.dumps(o).decode() if o is not None else None
-                                     for o in outputs],
+                                    Q["complete"], [m.request_id for m in live], outputs,
                                     self.worker_id,
                                 )
                                 if len(done) != len(live):
                                     # Cannot happen while the fence locks hold; be loud if it does.
                                     raise RuntimeError("fenced completion lost rows under lock")
-                                retried = [m.request_id for m in live if _had_failures(m)]
+                                retried = [m.request_id for m in live if m.failures > 0]
                                 if retried:
                                     await conn.execute(Q["clear_attempts"], retried)
+                    except _Rerun as rerun:
+                        conflicts += 1
+                        if conflicts >= 3:
+                            raise TransientError(f"transaction conflict: {rerun.__cause__}") \
+                                from rerun.__cause__
+                        continue
                     except _Rollback:
                         assert failed_at is not None
                         bad, err = failed_at
                         result.failed.append((bad, err))
                         todo.remove(bad)
                         if fifo and bad.raw.group_id is not None:
-                            idx_after = [m for m in todo if m.raw.group_id == bad.raw.group_id
-                                         and messages.index(m) > messages.index(bad)]
-                            for m in idx_after:
+                            after = [m for m in todo if m.raw.group_id == bad.raw.group_id
+                                     and order[id(m)] > order[id(bad)]]
+                            for m in after:
                                 todo.remove(m)
-                            result.blocked.extend(idx_after)
+                            result.blocked.extend(after)
                         continue
-                    result.completed.extend(zip(live, outputs, strict=True))
+                    result.completed.extend(
+                        (m, orjson.loads(o) if o is not None else None)
+                        for m, o in zip(live, outputs, strict=True)
+                    )
                     result.lost.extend(lost)
+                    result.blocked.extend(blocked)
                     result.committed_at = time.time()
                     break
         except CONNECTION_ERRORS as exc:
@@ -271,12 +283,13 @@ class Store:
         except CONNECTION_ERRORS as exc:
             raise _wrap_connection_errors(exc) from exc
 
-    async def release(self, request_ids: Sequence[str]) -> None:
-        if not request_ids:
+    async def release(self, messages: Sequence[Message]) -> None:
+        """Give back this worker's claims made for exactly these SQS messages."""
+        if not messages:
             return
         try:
             async with self.pool.acquire() as conn:
-                await conn.execute(Q["release"], list(request_ids), self.worker_id)
+                await conn.execute(Q["release"], *_release_args(messages, self.worker_id))
         except CONNECTION_ERRORS as exc:
             raise _wrap_connection_errors(exc) from exc
 
@@ -293,7 +306,8 @@ class Store:
         ids = [m.request_id for m, _ in failures]
         try:
             async with self.pool.acquire() as conn, conn.transaction():
-                await conn.execute(Q["release"], ids, self.worker_id)
+                await conn.execute(Q["release"], *_release_args([m for m, _ in failures],
+                                                                self.worker_id))
                 rows = await conn.fetch(Q["record_failures"], ids, [e for _, e in failures])
                 counts = {r["request_id"]: r["failures"] for r in rows}
                 exhausted = [
@@ -333,7 +347,7 @@ async def claim(
     return {
         r["request_id"]: ClaimResult(
             r["request_id"], r["claimed"], r["status"], r["request_type"],
-            r["payload_sha256"], r["owner"], r["failures"],
+            r["payload_sha256"], r["owner"], r["failures"], r["dead_lettered"],
         )
         for r in rows
     }
@@ -343,8 +357,60 @@ class _Rollback(Exception):
     """Internal: roll the completing transaction back after a handler failed."""
 
 
-def _had_failures(m: Message) -> bool:
-    return m.failures > 0
+class _Rerun(Exception):
+    """Internal: roll back and run the same transaction again (deadlock, serialization)."""
+
+
+#: Raised inside a handler by PostgreSQL itself, not by the handler's logic.
+RETRY_TRANSACTION: tuple[type[BaseException], ...] = (
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+    asyncpg.LockNotAvailableError,
+)
+
+
+def _connection_broken(conn: asyncpg.Connection, exc: BaseException) -> bool:
+    """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
+    failure; only a connection that is actually gone is a database outage."""
+    if isinstance(exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError):
+        return True
+    return bool(conn.is_closed())
+
+
+def _encode_result(value: Any) -> str | None:
+    """Serialise a handler's result inside its own failure scope (a bad result is the
+    handler's failure, not the batch's)."""
+    if value is None:
+        return None
+    encoded = orjson.dumps(value).decode()
+    if "\\u0000" in encoded:
+        raise ValueError("handler result contains a NUL character (not storable in jsonb)")
+    return encoded
+
+
+def _split_fenced(
+    todo: list[Message], held: set[str], fifo: bool
+) -> tuple[list[Message], list[Message], list[Message]]:
+    """(live, lost, blocked): on FIFO, a lost claim holds back the rest of its group."""
+    live: list[Message] = []
+    lost: list[Message] = []
+    blocked: list[Message] = []
+    stopped: set[str] = set()
+    for m in todo:
+        group = m.raw.group_id if fifo else None
+        if group is not None and group in stopped:
+            blocked.append(m)
+        elif m.request_id in held:
+            live.append(m)
+        else:
+            lost.append(m)
+            if group is not None:
+                stopped.add(group)
+    return live, lost, blocked
+
+
+def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:
+    return [[m.request_id for m in messages], owner, [m.raw.message_id for m in messages]]
 
 
 def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:

@@ -124,6 +124,7 @@ class _Row:
     payload_sha256: str
     status: str
     owner: str
+    sqs_message_id: str = ""
     result: Any = None
 
 
@@ -146,9 +147,12 @@ class FakeStore:
         out = {}
         for m in messages:
             row = self.rows.get(m.request_id)
-            if row is None:
+            if m.raw.message_id in self.dead:
+                out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
+                                                0, dead_lettered=True)
+            elif row is None:
                 self.rows[m.request_id] = _Row(m.request_id, m.type, m.payload_sha256,
-                                               "IN_PROGRESS", self.worker_id)
+                                               "IN_PROGRESS", self.worker_id, m.raw.message_id)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
                                                 self.failures.get(m.request_id, 0))
             else:
@@ -188,18 +192,19 @@ class FakeStore:
         for d in letters:
             self.dead.setdefault(d.sqs_message_id, d)
 
-    async def release(self, request_ids: Sequence[str]) -> None:
+    async def release(self, messages: Sequence[Message]) -> None:
         self._check()
-        for rid in request_ids:
-            row = self.rows.get(rid)
-            if row and row.owner == self.worker_id and row.status == "IN_PROGRESS":
-                del self.rows[rid]
+        for m in messages:
+            row = self.rows.get(m.request_id)
+            if (row and row.owner == self.worker_id and row.status == "IN_PROGRESS"
+                    and row.sqs_message_id == m.raw.message_id):
+                del self.rows[m.request_id]
 
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int
     ) -> dict[str, int]:
         self._check()
-        await self.release([m.request_id for m, _ in failures])
+        await self.release([m for m, _ in failures])
         counts = {}
         for m, err in failures:
             n = self.failures.get(m.request_id, 0) + 1

@@ -17,7 +17,7 @@ import collections
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import asyncpg
@@ -30,7 +30,7 @@ from service.handlers import _request_id as request_id_var
 from service.messages import Message, Poison, Received, parse
 from service.settings import SQS_MAX_VISIBILITY, Settings
 from service.sqs import QueueSeam
-from service.store import DB_ERRORS, ApplyResult, ClaimResult, DeadLetter, Store
+from service.store import CONNECTION_ERRORS, DB_ERRORS, ApplyResult, ClaimResult, DeadLetter, Store
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -79,6 +79,7 @@ class Worker:
         self._probe: asyncio.Task[None] | None = None
         self._holding: collections.Counter[str] = collections.Counter()
         self._oldest_sent: float | None = None
+        self._last_oldest_sent: float | None = None
         self._forced = False
         self._force = asyncio.Event()
         self._stop_requested_at = 0.0
@@ -112,7 +113,7 @@ class Worker:
         return self._stop.is_set()
 
     async def run(self) -> int:
-        await self._gc_once()
+        await self._gc_once(startup=True)
         self._pollers = [
             asyncio.create_task(self._poll_loop(i), name=f"poller-{i}")
             for i in range(self.s.pollers)
@@ -124,6 +125,9 @@ class Worker:
             asyncio.create_task(self._gc_loop(), name="gc"),
             asyncio.create_task(self._queue_attributes_loop(), name="queue-attributes"),
         ]
+        for t in self._background:
+            # A dead heartbeat would let other replicas collect our live claims: fatal.
+            t.add_done_callback(self._poller_exited)
         log.info(
             "worker_started", worker_id=self.store.worker_id, pollers=self.s.pollers,
             inflight_batches=self.s.inflight_limit, visibility_timeout=self.visibility_timeout,
@@ -137,16 +141,14 @@ class Worker:
         if task.cancelled() or self.stopping:
             return
         exc = task.exception()
-        self._fatal(EXIT_FATAL, "poller_died", poller=task.get_name(), error=repr(exc))
+        self._fatal(EXIT_FATAL, "task_died", task=task.get_name(), error=repr(exc))
 
     async def _shutdown(self) -> None:
         deadline = time.monotonic() + self.s.shutdown_timeout
         if self.exit_code != EXIT_OK or self._forced:
             deadline = time.monotonic()  # ack failure or second signal: no drain
-        for t in self._background:
-            t.cancel()
-        if self._probe:
-            self._probe.cancel()
+        # The heartbeat keeps running while we drain: a drain longer than the lease must
+        # not let another replica collect the claims we are about to complete.
         forced = asyncio.create_task(self._force.wait())
         while True:
             pending = [t for t in (*self._pollers, *self._batches) if not t.done()]
@@ -164,6 +166,10 @@ class Worker:
                 t.cancel()
             # Cancelled batches release their messages (shielded); give that a bound.
             await asyncio.wait(stuck, timeout=10)
+        for t in self._background:
+            t.cancel()
+        if self._probe:
+            self._probe.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         try:
             released = await asyncio.wait_for(self.store.stop_worker(), timeout=5)
@@ -178,7 +184,7 @@ class Worker:
     # -- health ------------------------------------------------------------------------
 
     def liveness(self) -> tuple[bool, dict[str, object]]:
-        dead = [t.get_name() for t in self._pollers if t.done()]
+        dead = [t.get_name() for t in (*self._pollers, *self._background) if t.done()]
         ok = self.stopping or not dead
         return ok, {"dead_pollers": dead}
 
@@ -256,11 +262,17 @@ class Worker:
     async def _run_batch(self, batch: list[Received]) -> None:
         started = time.monotonic()
         unresolved: dict[str, Received] = {m.message_id: m for m in batch}
-        claimed: list[str] = []
+        claimed: list[Message] = []
         metrics.in_flight.inc(len(batch))
         extender = asyncio.create_task(self._extend_visibility(unresolved), name="extender")
+
+        async def stop_extender() -> None:
+            # Before acks and releases: a late extension must not undo a release to 0.
+            extender.cancel()
+            await asyncio.gather(extender, return_exceptions=True)
+
         try:
-            await self._process(batch, unresolved, claimed)
+            await self._process(batch, unresolved, claimed, stop_extender)
         except AckFailed as exc:
             metrics.ack_failures.inc(len(exc.message_ids))
             # Exit 3 on purpose: the outcome is committed but the message stays on the
@@ -270,24 +282,32 @@ class Worker:
                         error=exc.detail)
         except DatabaseUnavailable as exc:
             self._db_down(exc)
+            await stop_extender()
             await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
         except asyncio.CancelledError:
+            extender.cancel()
             await asyncio.shield(self._abandon(unresolved, claimed, 0))
             raise
         except Exception as exc:
             log.exception("batch_failed", error=repr(exc))
+            await stop_extender()
+            await self._give_up_on_repeat_offenders(unresolved, repr(exc))
             await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
         finally:
             extender.cancel()
-            for rid in claimed:
-                self._holding[rid] -= 1
-                if self._holding[rid] <= 0:
-                    del self._holding[rid]
+            for m in claimed:
+                self._holding[m.request_id] -= 1
+                if self._holding[m.request_id] <= 0:
+                    del self._holding[m.request_id]
             metrics.in_flight.dec(len(batch))
             metrics.batch_duration.observe(time.monotonic() - started)
 
     async def _process(
-        self, batch: list[Received], unresolved: dict[str, Received], claimed: list[str]
+        self,
+        batch: list[Received],
+        unresolved: dict[str, Received],
+        claimed: list[Message],
+        stop_extender: Callable[[], Awaitable[None]],
     ) -> None:
         acks: list[Received] = []
         releases: list[tuple[Received, int]] = []
@@ -308,9 +328,9 @@ class Worker:
                 primaries[item.request_id] = item
 
         if primaries:
-            for rid in primaries:
-                self._holding[rid] += 1
-                claimed.append(rid)
+            for m in primaries.values():
+                self._holding[m.request_id] += 1
+                claimed.append(m)
             claims = await self.store.claim(list(primaries.values()))
             to_apply, unclaim = self._classify(
                 primaries, claims, letters, acks, releases, outcomes)
@@ -337,6 +357,7 @@ class Worker:
             # outcome is on record, i.e. on its next delivery.
             releases.append((m.raw, self._contention_delay()))
 
+        await stop_extender()
         if acks:
             await self.queue.delete_batch(acks)
             for r in acks:
@@ -356,14 +377,14 @@ class Worker:
         acks: list[Received],
         releases: list[tuple[Received, int]],
         outcomes: list[tuple[str, str]],
-    ) -> tuple[list[Message], list[str]]:
+    ) -> tuple[list[Message], list[Message]]:
         """Sort claim results into apply / duplicate / conflict / defer.
 
         Returns the messages to apply and the claims to give back at once (FIFO messages
         claimed behind a message of their group that has to wait).
         """
         to_apply: list[Message] = []
-        unclaim: list[str] = []
+        unclaim: list[Message] = []
         blocked_groups: set[str] = set()
         fifo = self.s.is_fifo
         for m in primaries.values():  # batch order: FIFO order within a group
@@ -372,7 +393,12 @@ class Worker:
             if fifo and group is not None and group in blocked_groups:
                 releases.append((m.raw, 0))
                 if c.claimed:
-                    unclaim.append(m.request_id)
+                    unclaim.append(m)
+                continue
+            if c.dead_lettered:
+                # Dead-lettered on an earlier delivery whose ack never happened.
+                acks.append(m.raw)
+                outcomes.append((m.type, "dead_lettered"))
                 continue
             if c.claimed:
                 m.failures = c.failures
@@ -428,7 +454,7 @@ class Worker:
             log.warning("claim_lost", message_id=m.raw.message_id, request_id=m.request_id)
             releases.append((m.raw, self._contention_delay()))
         if res.blocked:
-            await self.store.release([m.request_id for m in res.blocked])
+            await self.store.release(res.blocked)
             releases.extend((m.raw, 0) for m in res.blocked)
         if res.failed:
             failures = [(m, _describe(exc)) for m, exc in res.failed]
@@ -451,7 +477,7 @@ class Worker:
     # -- visibility --------------------------------------------------------------------
 
     def _backoff(self, receive_count: int) -> int:
-        base = self.s.retry_base_seconds * (2 ** max(0, receive_count - 1))
+        base = self.s.retry_base_seconds * (2 ** min(30, max(0, receive_count - 1)))
         return self._jittered(min(self.s.retry_max_seconds, base))
 
     def _contention_delay(self) -> int:
@@ -485,15 +511,40 @@ class Worker:
             metrics.visibility_extensions.inc(len(changes))
             log.info("visibility_extended", count=len(changes), seconds=vt)
 
+    async def _give_up_on_repeat_offenders(
+        self, unresolved: dict[str, Received], error: str
+    ) -> None:
+        """Safety net for a batch that keeps failing outside any handler (a bug, a value
+        the database refuses): a message received far more often than the retry limit is
+        dead-lettered so it cannot stall its neighbours forever."""
+        ceiling = self.s.max_receive_count * 3
+        doomed = [m for m in unresolved.values() if m.receive_count > ceiling]
+        if not doomed or not self._db_up.is_set():
+            return
+        try:
+            await self.store.dead_letter([
+                DeadLetter(m.message_id, m.body, "processing_error", error[:2000], None, None,
+                           m.receive_count) for m in doomed])
+            await self.queue.delete_batch(doomed)
+        except DB_ERRORS as exc:
+            log.warning("dead_letter_failed", error=str(exc))
+            return
+        for m in doomed:
+            unresolved.pop(m.message_id, None)
+            metrics.dead_letters.labels("processing_error").inc()
+            log.error("dead_lettered_processing_error", message_id=m.message_id,
+                      receive_count=m.receive_count, error=error)
+
     async def _abandon(
-        self, unresolved: dict[str, Received], claimed: list[str], delay: int
+        self, unresolved: dict[str, Received], claimed: list[Message], delay: int
     ) -> None:
         """Give back what this batch could not finish: claims released, messages visible."""
         if not unresolved:
             return
-        if claimed and self._db_up.is_set():
+        mine = [m for m in claimed if m.raw.message_id in unresolved]
+        if mine and self._db_up.is_set():
             try:
-                await self.store.release(claimed)
+                await self.store.release(mine)
             except DB_ERRORS as exc:
                 # The periodic own-leak GC releases them once the database is back.
                 log.warning("release_failed", error=str(exc))
@@ -504,6 +555,14 @@ class Worker:
         unresolved.clear()
 
     # -- database outages --------------------------------------------------------------
+
+    def _db_error(self, exc: BaseException) -> None:
+        """A background statement failed: an outage only if the connection is gone."""
+        if isinstance(exc, (DatabaseUnavailable, *CONNECTION_ERRORS)):
+            self._db_down(exc)
+        else:
+            metrics.db_errors.inc()
+            log.warning("database_statement_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _db_down(self, exc: BaseException) -> None:
         if not self._db_up.is_set():
@@ -526,6 +585,12 @@ class Worker:
                             retry_in=round(delay, 2))
                 delay = min(delay * 2, 10.0)
                 continue
+            try:
+                # Refresh our heartbeat before claiming again: after a long outage other
+                # replicas would otherwise see our new claims under a stale heartbeat.
+                await self.store.heartbeat()
+            except DB_ERRORS:
+                continue
             log.info("database_available")
             self._db_up.set()
             await self._gc_once()
@@ -542,7 +607,7 @@ class Worker:
             try:
                 await self.store.heartbeat()
             except DB_ERRORS as exc:
-                self._db_down(exc)
+                self._db_error(exc)
 
     async def _gc_loop(self) -> None:
         while True:
@@ -550,16 +615,18 @@ class Worker:
             if self._db_up.is_set():
                 await self._gc_once()
 
-    async def _gc_once(self) -> None:
+    async def _gc_once(self, startup: bool = False) -> None:
         try:
             rows = await self.store.gc(
                 self.s.worker_lease,
-                self.s.worker_name or None,
+                # "My previous incarnation" only makes sense at startup: later passes
+                # must never read a same-named live replica as dead.
+                (self.s.worker_name or None) if startup else None,
                 _utc(self.started_at),
             )
             leaks = await self.store.gc_own_leaks(list(self._holding))
         except DB_ERRORS as exc:
-            self._db_down(exc)
+            self._db_error(exc)
             return
         for r in rows:
             log.warning("orphan_released", request_id=r["request_id"], owner=r["owner"],
@@ -584,9 +651,14 @@ class Worker:
                 metrics.queue_not_visible.set(
                     int(attrs.get("ApproximateNumberOfMessagesNotVisible", "0")))
                 if self._oldest_sent is not None:
-                    metrics.queue_oldest_age.set(max(0.0, time.time() - self._oldest_sent))
+                    self._last_oldest_sent = self._oldest_sent
                 elif visible == 0:
-                    metrics.queue_oldest_age.set(0)
+                    self._last_oldest_sent = None
+                # Nothing received but messages waiting (database down, pollers stuck):
+                # the last oldest keeps ageing, which is when the age alert must fire.
+                metrics.queue_oldest_age.set(
+                    0 if self._last_oldest_sent is None
+                    else max(0.0, time.time() - self._last_oldest_sent))
                 self._oldest_sent = None
             await asyncio.sleep(self.s.queue_attributes_interval)
 

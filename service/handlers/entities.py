@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import asyncpg
-import orjson
 from pydantic import BaseModel, StrictInt, StrictStr
 
 from service.handlers.registry import handler
@@ -29,7 +28,7 @@ class EntityDelete(BaseModel):
 
 _UPSERT = """
 INSERT INTO entities AS e (entity_id, version, deleted, data, request_id, updated_at)
-VALUES ($1, $2, $3, $4::jsonb, $5, now())
+VALUES ($1, $2, $3, $4, $5, now())
 ON CONFLICT (entity_id) DO UPDATE
    SET version = EXCLUDED.version, deleted = EXCLUDED.deleted, data = EXCLUDED.data,
        request_id = EXCLUDED.request_id, updated_at = now()
@@ -42,8 +41,9 @@ RETURNING 1
 async def entity_upsert(p: EntityUpsert, conn: asyncpg.Connection) -> dict[str, Any]:
     from service.handlers import current_request_id
 
+    # The pool's jsonb codec encodes the dict (passing a JSON string would store a string).
     row = await conn.fetchval(
-        _UPSERT, p.entity_id, p.version, False, orjson.dumps(p.data).decode(), current_request_id()
+        _UPSERT, p.entity_id, p.version, False, p.data, current_request_id()
     )
     return {"applied": row is not None}
 

@@ -12,13 +12,18 @@ WITH input AS (
     SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
            sqs_message_id, $7, sent_at
       FROM input
+     -- This very SQS message was already dead-lettered (its ack failed or was cut
+     -- short): never apply it after the fact.
+     WHERE NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = input.sqs_message_id)
     ON CONFLICT (request_id) DO NOTHING
     RETURNING request_id
 )
 SELECT i.request_id,
        ins.request_id IS NOT NULL AS claimed,
        m.status, m.request_type, m.payload_sha256, m.owner,
-       coalesce(r.failures, 0) AS failures
+       coalesce(r.failures, 0) AS failures,
+       EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = i.sqs_message_id)
+           AS dead_lettered
   FROM input i
   LEFT JOIN ins ON ins.request_id = i.request_id
   LEFT JOIN modifications m ON m.request_id = i.request_id
@@ -43,8 +48,12 @@ RETURNING m.request_id
 DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
 
 -- name: release
-DELETE FROM modifications
- WHERE request_id = ANY($1::text[]) AND owner = $2 AND status = 'IN_PROGRESS'
+-- By (request_id, sqs_message_id): a batch gives back only the claims it made, never a
+-- claim another batch of the same worker made for a duplicate delivery.
+DELETE FROM modifications m
+ USING unnest($1::text[], $3::text[]) AS u(request_id, sqs_message_id)
+ WHERE m.request_id = u.request_id AND m.sqs_message_id = u.sqs_message_id
+   AND m.owner = $2 AND m.status = 'IN_PROGRESS'
 
 -- name: record_failures
 INSERT INTO retry_attempts AS r (request_id, failures, last_error, updated_at)
@@ -71,9 +80,8 @@ UPDATE workers SET stopped_at = now(), heartbeat_at = now() WHERE worker_id = $1
 
 -- name: gc_orphans
 -- Release claims whose owner is dead: heartbeat older than the lease, stopped, unknown,
--- or an earlier incarnation of a replica with the same explicit name ($3, may be NULL).
--- Rows are locked by the owner's completing transaction; DELETE waits and re-checks
--- status, so a claim completed meanwhile is never touched.
+-- or an earlier incarnation of a replica with the same explicit name ($3: only passed on
+-- the startup pass, NULL afterwards).
 WITH dead AS (
     SELECT worker_id FROM workers
      WHERE worker_id <> $1
@@ -81,12 +89,19 @@ WITH dead AS (
             OR heartbeat_at < now() - make_interval(secs => $2)
             OR ($3::text IS NOT NULL AND worker_name = $3 AND started_at < $4))
 )
-DELETE FROM modifications m
- WHERE m.status = 'IN_PROGRESS'
-   AND m.owner IS DISTINCT FROM $1
-   AND (m.owner IN (SELECT worker_id FROM dead)
-        OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = m.owner))
-RETURNING m.request_id, m.owner, m.sqs_message_id
+DELETE FROM modifications
+ WHERE id IN (
+     SELECT m.id FROM modifications m
+      WHERE m.status = 'IN_PROGRESS'
+        AND m.owner IS DISTINCT FROM $1
+        AND (m.owner IN (SELECT worker_id FROM dead)
+             OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = m.owner))
+      ORDER BY m.id
+        -- A claim locked by its owner's completing transaction is skipped: that owner
+        -- is alive after all, and two replicas' GC passes never deadlock.
+        FOR UPDATE SKIP LOCKED)
+   AND status = 'IN_PROGRESS'
+RETURNING request_id, owner, sqs_message_id
 
 -- name: gc_own_leaks
 -- Claims of this very process that no batch holds any more (a batch whose release

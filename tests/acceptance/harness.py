@@ -195,6 +195,12 @@ async def check_invariants(dsn: str, w: Workload, sqs: Any, queue_url: str) -> d
         ents = {r["entity_id"]: (r["version"], r["deleted"]) for r in await conn.fetch(
             "SELECT entity_id, version, deleted FROM entities")}
         assert ents == w.expected_entities()
+        # The stored data is the payload's data object (not a string, not another version's).
+        bad = await conn.fetch(
+            "SELECT e.entity_id FROM entities e JOIN modifications m ON m.request_id = e.request_id"
+            " WHERE e.data IS DISTINCT FROM (m.payload -> 'data')"
+            "    OR (NOT e.deleted AND jsonb_typeof(e.data) <> 'object')")
+        assert not bad, f"entities.data differs from its modification: {bad[:5]}"
         dl = await conn.fetch("SELECT body, reason FROM dead_letters")
         bodies = [r["body"] for r in dl]
         assert sorted(bodies) == sorted(w.poison + w.reused), (

@@ -142,8 +142,6 @@ async def test_three_replicas_one_killed_repeatedly(
 async def test_database_outage_mid_stream(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, tmp_path: Path
 ) -> None:
-    import asyncpg
-
     from service.migrate import migrate
 
     queue_url = make_queue()
@@ -173,8 +171,6 @@ async def test_database_outage_mid_stream(
                 d.kill9()
         counts = await check_invariants(dsn, w, sqs_client, queue_url)
         assert counts["completed"] == 300
-        conn = await asyncpg.connect(dsn)
-        await conn.close()
 
 
 def test_sigterm_releases_what_idle_polls_bring(
@@ -191,14 +187,15 @@ def test_sigterm_releases_what_idle_polls_bring(
     time.sleep(0.5)  # let the pollers enter their long polls
     a.signal(signal.SIGTERM)
     w = Workload(seed=9)
+    sent_at = time.monotonic()
     send_all(sqs_client, queue_url, w.bodies(20, prefix="idle"))
     assert a.wait(40) == 0, a.logs()
     assert "released_after_stop" in a.full_logs()
     b = Daemon(env, tmp_path, "b").start()
     try:
-        sent_at = time.monotonic()
-        wait_drained(sqs_client, queue_url, [b], timeout=60)
-        assert time.monotonic() - sent_at < 60  # far less than the 120 s visibility timeout
+        wait_drained(sqs_client, queue_url, [b], timeout=90)
+        # Had the stopping daemon kept them, they would be hidden for 120 s after sending.
+        assert time.monotonic() - sent_at < 110
     finally:
         assert b.stop() == 0
     assert completed(database_url) == len(w.valid)

@@ -135,7 +135,7 @@ async def test_real_prometheus_scrapes_processed_messages(
     send_all(sqs_client, queue_url, valid + POISON)
     wait_drained(sqs_client, queue_url, [daemon])
     # Drained means deleted; the counters move right after the delete — wait for them.
-    wait_until(lambda: daemon.metric("sqs_ingest_messages_processed_total") == 27, 20,
+    wait_until(lambda: daemon.metric("sqs_ingest_messages_processed_total") == 27, 90,
                "daemon counted 27 processed messages")
     assert await completed_rows(database_url) == 25
 
@@ -185,7 +185,7 @@ async def test_metrics_exposition_matches_spec(
     daemon.start().wait_ready()
     send_all(sqs_client, queue_url, [upsert(f"m-{i}", "e1", i + 1) for i in range(5)] + POISON)
     wait_drained(sqs_client, queue_url, [daemon])
-    wait_until(lambda: daemon.metric("sqs_ingest_messages_processed_total") == 7, 20,
+    wait_until(lambda: daemon.metric("sqs_ingest_messages_processed_total") == 7, 90,
                "7 processed")
     status, text = daemon.get("/metrics")
     assert status == 200

@@ -51,7 +51,9 @@ async def test_claim_then_duplicate_then_conflict(pool: asyncpg.Pool, db: asyncp
     again = await a.claim([msg("r1"), msg("r2", version=9), msg("r3")])
     assert not again["r1"].claimed and again["r1"].status == "COMPLETED"
     assert again["r1"].payload_sha256 == msg("r1").payload_sha256  # → duplicate
-    assert again["r2"].payload_sha256 != msg("r2", version=9).payload_sha256  # → conflict
+    # The stored hash is the first payload's: a reuse with another payload is a conflict.
+    assert again["r2"].payload_sha256 == msg("r2").payload_sha256
+    assert again["r2"].payload_sha256 != msg("r2", version=9).payload_sha256
     assert again["r3"].claimed
     rows = await db.fetch("SELECT request_id, status, owner, result FROM modifications ORDER BY 1")
     assert [(r["request_id"], r["status"]) for r in rows] == [
@@ -203,9 +205,9 @@ async def test_gc_releases_dead_owner_but_never_a_live_one(pool: asyncpg.Pool, d
     assert await db.fetchval("SELECT count(*) FROM entities") == 0
 
 
-async def test_gc_waits_for_an_in_flight_completion(database_url: str, pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+async def test_gc_skips_a_claim_being_completed(database_url: str, pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
     """GC racing a slow completion of a (just expired) owner: the completion's fence lock
-    makes GC wait; it then sees COMPLETED and releases nothing."""
+    makes GC skip the row (SKIP LOCKED) instead of deleting it; it ends COMPLETED."""
     owner = await registered(pool, "w-slow")
     gc_by = await registered(pool, "w-gc")
     await owner.claim([msg("r1")])
@@ -220,13 +222,11 @@ async def test_gc_waits_for_an_in_flight_completion(database_url: str, pool: asy
     await asyncio.wait_for(entered.wait(), 10)
     await db.execute("UPDATE workers SET heartbeat_at = now() - interval '1 hour'"
                      " WHERE worker_id = 'w-slow'")
-    gc_task = asyncio.create_task(gc_by.gc(lease_seconds=30))
-    await asyncio.sleep(0.2)
-    assert not gc_task.done()  # blocked on the fence lock
+    # The owner looks dead, but its claim is locked by the completing transaction.
+    assert await asyncio.wait_for(gc_by.gc(lease_seconds=30), 10) == []
     proceed.set()
     res = await apply_task
     assert len(res.completed) == 1
-    assert await asyncio.wait_for(gc_task, 10) == []
     assert await db.fetchval("SELECT status FROM modifications WHERE request_id='r1'") == "COMPLETED"
 
 
@@ -274,3 +274,45 @@ async def test_registry_entity_handlers_follow_the_version_rule(pool: asyncpg.Po
                        {"applied": False}]
     row = await db.fetchrow("SELECT version, deleted, data, request_id FROM entities")
     assert dict(row) == {"version": 3, "deleted": True, "data": None, "request_id": "3"}
+    upsert = m("5", "entity.upsert", {"entity_id": "f", "version": 1, "data": {"a": [1, "x"]}})
+    await a.claim([upsert])
+    await a.apply([upsert], call)
+    row = await db.fetchrow("SELECT jsonb_typeof(data) AS t, data = '{\"a\": [1, \"x\"]}'::jsonb"
+                            " AS same FROM entities WHERE entity_id = 'f'")
+    assert (row["t"], row["same"]) == ("object", True)
+
+
+async def test_handler_timeout_is_a_handler_failure_not_an_outage(pool: asyncpg.Pool) -> None:
+    a = await registered(pool, "w-a")
+    batch = [msg("slow"), msg("fine")]
+    await a.claim(batch)
+
+    async def handler(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
+        if m.request_id == "slow":
+            raise TimeoutError("the handler's own HTTP call timed out")
+        return {}
+
+    res = await a.apply(batch, handler)
+    assert [m.request_id for m, _ in res.failed] == ["slow"]
+    assert [m.request_id for m, _ in res.completed] == ["fine"]
+
+
+async def test_redelivered_dead_letter_is_not_claimed(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    a = await registered(pool, "w-a")
+    m = msg("r1", mid="sqs-1")
+    await a.claim([m])
+    await a.record_failures([(m, "boom")], max_failures=1)  # dead-lettered, ack then lost
+    again = await a.claim([m])
+    assert not again["r1"].claimed and again["r1"].dead_lettered
+    assert await db.fetchval("SELECT count(*) FROM modifications") == 0
+
+
+async def test_release_only_touches_this_batch_claims(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    a = await registered(pool, "w-a")
+    first = msg("r1", mid="sqs-1")
+    dup = msg("r1", mid="sqs-2")  # the same request delivered twice, in another batch
+    await a.claim([first])
+    await a.release([dup])
+    assert await db.fetchval("SELECT owner FROM modifications WHERE request_id='r1'") == "w-a"
+    await a.release([first])
+    assert await db.fetchval("SELECT count(*) FROM modifications") == 0

@@ -67,6 +67,9 @@ def test_sns_envelope_is_unwrapped(registry: Registry) -> None:
         (json.dumps(upsert(payload={"entity_id": "e", "version": "3", "data": {}})),
          "invalid_payload"),
         (json.dumps(upsert(sent_at="yesterday")), "invalid_envelope"),
+        (json.dumps(upsert(payload={"entity_id": "e\u0000", "version": 1, "data": {}})),
+         "invalid_payload"),
+        (json.dumps(upsert(request_id="a\u0000b")), "invalid_envelope"),
     ],
 )
 def test_poison_shapes(registry: Registry, body: str, reason: str) -> None:

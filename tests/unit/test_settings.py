@@ -30,6 +30,8 @@ def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({**BASE, "INGEST_LOG_FORMAT": "xml"}, "INGEST_LOG_FORMAT"),
         ({**BASE, "INGEST_VISIBILITY_TIMEOUT": "50000"}, "INGEST_VISIBILITY_TIMEOUT"),
         ({**BASE, "INGEST_MAX_RECEIVE_COUNT": "0"}, "INGEST_MAX_RECEIVE_COUNT"),
+        ({**BASE, "INGEST_SQS_ENDPOINT_URL": "localhost:4566"}, "INGEST_SQS_ENDPOINT_URL"),
+        ({**BASE, "INGEST_HANDLERS": "no_such_module_xyz"}, "INGEST_HANDLERS"),
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_the_variable(

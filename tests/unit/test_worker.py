@@ -269,3 +269,15 @@ async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
         assert calls == []
         assert "a2" not in h.store.rows  # claimed, then given back: no stale claim left
         assert len(q.messages) == 2
+
+
+async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, calls: list[int]) -> None:
+    from service.store import DeadLetter
+
+    q = harness.queue
+    mid = q.send(body("r9", 9))
+    harness.store.dead[mid] = DeadLetter(mid, body("r9", 9), "max_receives_exceeded", "x",
+                                         "r9", "note", 5)
+    await until(lambda: not q.messages, "acked")
+    assert calls == []
+    assert "r9" not in harness.store.rows
