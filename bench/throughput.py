@@ -700,8 +700,10 @@ def _soak(env: Env, url: str, port: int, pid: int, s: Sampler, counter: CountPol
             while time.monotonic() - t0 < seconds:
                 el = time.monotonic() - t0
                 if "start" not in marks and el >= warmup:
-                    marks["start"] = (time.time(), proc_status(pid, "VmRSS"),
-                                      counter.completed(), scrape(port))
+                    # CountPoller drives its own loop: call it from a thread.
+                    marks["start"] = await asyncio.to_thread(lambda: (
+                        time.time(), proc_status(pid, "VmRSS"), counter.completed(),
+                        scrape(port)))
                 bodies = [make_body("soak", i + k) for k in range(per_tick)]
                 i += per_tick
                 await asyncio.gather(*(

@@ -138,10 +138,13 @@ class Worker:
         return self.exit_code
 
     def _poller_exited(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or self.stopping:
+        if task.cancelled():
             return
-        exc = task.exception()
-        self._fatal(EXIT_FATAL, "task_died", task=task.get_name(), error=repr(exc))
+        exc = task.exception()  # always retrieved, so asyncio never reports it as lost
+        if exc is not None and self.stopping:
+            log.warning("task_failed_while_stopping", task=task.get_name(), error=repr(exc))
+        elif not self.stopping:
+            self._fatal(EXIT_FATAL, "task_died", task=task.get_name(), error=repr(exc))
 
     async def _shutdown(self) -> None:
         deadline = time.monotonic() + self.s.shutdown_timeout

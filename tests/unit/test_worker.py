@@ -281,3 +281,16 @@ async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, c
     await until(lambda: not q.messages, "acked")
     assert calls == []
     assert "r9" not in harness.store.rows
+
+
+async def test_a_dead_poller_fails_liveness_and_exits_1(registry: Registry) -> None:
+    class Broken(FakeQueue):
+        async def receive(self, *a: Any, **k: Any) -> list[Any]:
+            raise RuntimeError("bug in the poller")
+
+    async with Harness(settings(), registry, Broken()) as h:
+        assert h.task is not None
+        code = await asyncio.wait_for(h.task, 10)
+        _, detail = h.worker.liveness()
+    assert code == 1
+    assert detail["dead_pollers"]
