@@ -28,6 +28,10 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not chaos and not spark" $(PYTEST_ARGS)
 
+## make bench [N=20000] [LATENCY_MS=20] [SOAK=600]: ceiling vs naive vs daemon, side by side
+bench: install
+	$(PY) bench/throughput.py
+
 test-reconcile: install
 	$(PY) -m pytest -q tests/reconcile
 

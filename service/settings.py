@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     http_host: str = "0.0.0.0"
     visibility_timeout: int = Field(0, ge=0, le=SQS_MAX_VISIBILITY)
     max_receive_count: int = Field(5, ge=1, le=1000)
-    pollers: int = Field(4, ge=1, le=64)
+    pollers: int = Field(8, ge=1, le=64)
     max_inflight_batches: int = Field(0, ge=0, le=512)
     wait_time_seconds: int = Field(20, ge=0, le=20)
     shutdown_timeout: float = Field(30.0, gt=0)
@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     retry_max_seconds: float = Field(900.0, ge=0, le=SQS_MAX_VISIBILITY)
     contention_delay: float = Field(5.0, ge=0, le=SQS_MAX_VISIBILITY)
     queue_attributes_interval: float = Field(15.0, gt=0)
-    db_pool_size: int = Field(8, ge=1, le=200)
+    db_pool_size: int = Field(10, ge=1, le=200)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -104,7 +104,7 @@ class Settings(BaseSettings):
 
     @property
     def inflight_limit(self) -> int:
-        return self.max_inflight_batches or self.pollers * 2
+        return self.max_inflight_batches or self.pollers * 4
 
     @property
     def handler_modules(self) -> list[str]:

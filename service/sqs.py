@@ -135,6 +135,9 @@ async def sqs_client(
         read_timeout=40,
         connect_timeout=5,
         retries={"max_attempts": 3, "mode": "standard"},
+        # Requests are built by this module from typed values; botocore's per-call
+        # validation is measurable CPU on the hot path (BENCHMARKS.md).
+        parameter_validation=False,
     )
     async with session.create_client(
         "sqs", region_name=region, endpoint_url=endpoint_url, config=config

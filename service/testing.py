@@ -162,7 +162,8 @@ class FakeStore:
         return out
 
     async def apply(
-        self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False
+        self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
+        batch: Any = None,
     ) -> ApplyResult:
         self._check()
         res = ApplyResult(committed_at=time.time())

@@ -352,7 +352,10 @@ class Worker:
                 metrics.dead_letters.labels(d.reason).inc()
 
         if to_apply:
-            res = await self.store.apply(to_apply, self._call_handler, fifo=self.s.is_fifo)
+            res = await self.store.apply(
+                to_apply, self._call_handler, fifo=self.s.is_fifo,
+                batch=(self._batch_key, self._call_many),
+            )
             await self._settle(res, acks, releases, outcomes)
 
         for m in twins:
@@ -440,6 +443,17 @@ class Worker:
                 return await spec.fn(m.payload, conn)
         finally:
             request_id_var.reset(token)
+
+    def _batch_key(self, m: Message) -> object:
+        spec = self.registry.get(m.type)
+        return spec.batch_fn if spec is not None else None
+
+    async def _call_many(
+        self, ms: list[Message], conn: asyncpg.Connection
+    ) -> list[dict[str, Any] | None] | None:
+        spec = self.registry.get(ms[0].type)
+        assert spec is not None and spec.batch_fn is not None
+        return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
 
     async def _settle(
         self,

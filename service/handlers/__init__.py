@@ -7,6 +7,7 @@ import contextvars
 from service.handlers.registry import (
     HandlerSpec,
     Registry,
+    batch_handler,
     default_registry,
     handler,
     load_handler_modules,
@@ -27,6 +28,7 @@ def load_reference_handlers() -> None:
 __all__ = [
     "HandlerSpec",
     "Registry",
+    "batch_handler",
     "current_request_id",
     "default_registry",
     "handler",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -12,6 +13,11 @@ from pydantic import BaseModel
 
 M = TypeVar("M", bound=BaseModel)
 HandlerFn = Callable[[Any, asyncpg.Connection], Awaitable[dict[str, Any] | None]]
+#: Batch form: [(request_id, payload), …] → results in the same order, or None to decline
+#: (the messages then run one by one through the plain function).
+BatchFn = Callable[
+    [list[tuple[str, Any]], asyncpg.Connection], Awaitable[list[dict[str, Any] | None] | None]
+]
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,7 @@ class HandlerSpec:
     name: str
     model: type[BaseModel]
     fn: HandlerFn
+    batch_fn: BatchFn | None = None
 
 
 class Registry:
@@ -30,6 +37,12 @@ class Registry:
         if existing is not None and existing.fn is not fn:
             raise ValueError(f"handler for {type_!r} registered twice")
         self._specs[type_] = HandlerSpec(type_, model, fn)
+
+    def register_batch(self, type_: str, fn: BatchFn) -> None:
+        spec = self._specs.get(type_)
+        if spec is None:
+            raise ValueError(f"register the handler for {type_!r} before its batch form")
+        self._specs[type_] = dataclasses.replace(spec, batch_fn=fn)
 
     def get(self, type_: str) -> HandlerSpec | None:
         return self._specs.get(type_)
@@ -55,6 +68,23 @@ def handler(type_: str, model: type[M]) -> Callable[[HandlerFn], HandlerFn]:
 
     def register(fn: HandlerFn) -> HandlerFn:
         default_registry.register(type_, model, fn)
+        return fn
+
+    return register
+
+
+def batch_handler(*types: str) -> Callable[[BatchFn], BatchFn]:
+    """Optional batch form of already registered handlers (one call for many messages).
+
+    Messages of all ``types`` given share a batch. It must have exactly the effect of
+    calling the plain handlers one by one; returning None declines (e.g. two messages
+    touch the same row) and they run one by one. If it raises, the transaction is rerun
+    one message at a time to find the failing one.
+    """
+
+    def register(fn: BatchFn) -> BatchFn:
+        for t in types:
+            default_registry.register_batch(t, fn)
         return fn
 
     return register

@@ -316,3 +316,106 @@ async def test_release_only_touches_this_batch_claims(pool: asyncpg.Pool, db: as
     assert await db.fetchval("SELECT owner FROM modifications WHERE request_id='r1'") == "w-a"
     await a.release([first])
     assert await db.fetchval("SELECT count(*) FROM modifications") == 0
+
+
+async def test_batch_form_runs_once_and_isolates_a_failure(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    """Batchable messages go as one call; when that call raises, the transaction is rerun
+    one by one so only the culprit fails and its neighbours still complete."""
+    a = await registered(pool, "w-a")
+    batch = [msg("b1"), msg("b2"), msg("bad"), msg("b4")]
+    await a.claim(batch)
+    calls: list[str] = []
+
+    async def one(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
+        calls.append("one:" + m.request_id)
+        if m.request_id == "bad":
+            raise RuntimeError("bad row")
+        await ok_handler(m, conn)
+        return {"one": True}
+
+    async def many(ms: list[Message], conn: asyncpg.Connection) -> list[dict[str, Any] | None]:
+        calls.append("many:" + ",".join(m.request_id for m in ms))
+        for m in ms:
+            await ok_handler(m, conn)
+        if any(m.request_id == "bad" for m in ms):
+            raise RuntimeError("one of the batch is bad")
+        return [{"many": True}] * len(ms)
+
+    res = await a.apply(batch, one, batch=(lambda m: "k", many))
+    assert calls[0] == "many:b1,b2,bad,b4"
+    assert [m.request_id for m, _ in res.failed] == ["bad"]
+    assert sorted(m.request_id for m, _ in res.completed) == ["b1", "b2", "b4"]
+    # The batch attempt was rolled back: each entity exactly once.
+    assert await db.fetchval("SELECT count(*) FROM entities") == 3
+
+    ok = [msg("c1"), msg("c2"), msg("c3")]
+    await a.claim(ok)
+    calls.clear()
+    res = await a.apply(ok, one, batch=(lambda m: "k", many))
+    assert calls == ["many:c1,c2,c3"]
+    assert [out for _, out in res.completed] == [{"many": True}] * 3
+
+
+async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    import json
+
+    from service.handlers import load_reference_handlers
+    from service.handlers.registry import default_registry as reg
+    from service.messages import parse
+
+    load_reference_handlers()
+    worker_like = _Caller(reg)
+    a = await registered(pool, "w-a")
+    await db.execute("INSERT INTO entities (entity_id, version, data, request_id)"
+                     " VALUES ('x', 5, '{\"old\": 1}', 'seed')")
+
+    def m(rid: str, type_: str, payload: dict[str, Any]) -> Message:
+        r = parse(Received("m" + rid, "rh", json.dumps(
+            {"request_id": rid, "type": type_, "payload": payload}), 1), reg)
+        assert isinstance(r, Message)
+        return r
+
+    batch = [
+        m("u1", "entity.upsert", {"entity_id": "x", "version": 4, "data": {"v": 4}}),  # stale
+        m("u2", "entity.upsert", {"entity_id": "y", "version": 1, "data": {"v": 1}}),
+        m("d1", "entity.delete", {"entity_id": "z", "version": 2}),
+    ]
+    await a.claim(batch)
+    res = await a.apply(batch, worker_like.one, batch=(worker_like.key, worker_like.many))
+    assert worker_like.batched == 1
+    assert {m.request_id: out for m, out in res.completed} == {
+        "u1": {"applied": False}, "u2": {"applied": True}, "d1": {"applied": True}}
+    rows = {r["entity_id"]: (r["version"], r["deleted"],
+                             json.loads(r["data"]) if r["data"] else None, r["request_id"])
+            for r in await db.fetch("SELECT * FROM entities")}
+    assert rows == {"x": (5, False, {"old": 1}, "seed"), "y": (1, False, {"v": 1}, "u2"),
+                    "z": (2, True, None, "d1")}
+
+
+class _Caller:
+    """The worker's handler plumbing, for store-level tests."""
+
+    def __init__(self, reg: Registry) -> None:
+        self.reg = reg
+        self.batched = 0
+
+    def key(self, m: Message) -> object:
+        spec = self.reg.get(m.type)
+        return spec.batch_fn if spec else None
+
+    async def one(self, m: Message, conn: asyncpg.Connection) -> Any:
+        from service.handlers import _request_id
+
+        spec = self.reg.get(m.type)
+        assert spec is not None
+        tok = _request_id.set(m.request_id)
+        try:
+            return await spec.fn(m.payload, conn)
+        finally:
+            _request_id.reset(tok)
+
+    async def many(self, ms: list[Message], conn: asyncpg.Connection) -> Any:
+        spec = self.reg.get(ms[0].type)
+        assert spec is not None and spec.batch_fn is not None
+        self.batched += 1
+        return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
