@@ -32,11 +32,12 @@ start)
     "SELECT 1 FROM pg_database WHERE datname = 'ingest'" | grep -q 1 \
     || psql -q -h 127.0.0.1 -p "$PG_PORT" -U "$DB_USER" -d postgres -c "CREATE DATABASE ingest"
 
-  if ! curl -fs "http://127.0.0.1:$SQS_PORT/moto-api/" >/dev/null 2>&1; then
+  http_ok() { .venv/bin/python -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=1)" "$1" >/dev/null 2>&1; }
+  if ! http_ok "http://127.0.0.1:$SQS_PORT/moto-api/"; then
     nohup .venv/bin/moto_server -H 127.0.0.1 -p "$SQS_PORT" >"$RUN/moto.log" 2>&1 &
     echo $! >"$RUN/moto.pid"
     for _ in $(seq 1 100); do
-      curl -fs "http://127.0.0.1:$SQS_PORT/moto-api/" >/dev/null 2>&1 && break
+      http_ok "http://127.0.0.1:$SQS_PORT/moto-api/" && break
       sleep 0.1
     done
     echo "moto server started on 127.0.0.1:$SQS_PORT"
