@@ -370,6 +370,9 @@ class Worker:
                 unresolved.pop(r.message_id, None)
         for type_, outcome in outcomes:
             metrics.messages_processed.labels(type_, outcome).inc()
+        # One line per batch, at debug only (a no-op call at info).
+        log.debug("batch_processed", received=len(batch), released=len(releases),
+                  **collections.Counter(o for _, o in outcomes))
         if releases:
             await self._change_visibility(releases)
             for r, _ in releases:
