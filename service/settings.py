@@ -35,6 +35,8 @@ class Settings(BaseSettings):
         wait_time_seconds: long-poll wait (SQS maximum 20).
         shutdown_timeout: seconds to finish in-flight work after SIGTERM.
         handlers: comma-separated modules imported at startup to register handlers.
+        handler_timeout: seconds one handler call may take before it counts as a failure
+            (0 = no limit); without it a hung handler holds its batch for up to 12 h.
         worker_name: stable name of this replica (pod name); when set, claims of a
             dead previous incarnation with the same name are released at startup.
         worker_lease: seconds without heartbeat after which a worker is dead.
@@ -61,6 +63,7 @@ class Settings(BaseSettings):
     wait_time_seconds: int = Field(20, ge=0, le=20)
     shutdown_timeout: float = Field(30.0, gt=0)
     handlers: str = ""
+    handler_timeout: float = Field(600.0, ge=0)
     worker_name: str = ""
     worker_lease: float = Field(30.0, gt=0)
     gc_interval: float = Field(10.0, gt=0)

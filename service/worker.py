@@ -443,7 +443,8 @@ class Worker:
             with structlog.contextvars.bound_contextvars(
                 message_id=m.raw.message_id, request_id=m.request_id
             ):
-                return await spec.fn(m.payload, conn)
+                async with asyncio.timeout(self.s.handler_timeout or None):
+                    return await spec.fn(m.payload, conn)
         finally:
             request_id_var.reset(token)
 
@@ -456,7 +457,8 @@ class Worker:
     ) -> list[dict[str, Any] | None] | None:
         spec = self.registry.get(ms[0].type)
         assert spec is not None and spec.batch_fn is not None
-        return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
+        async with asyncio.timeout(self.s.handler_timeout or None):
+            return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
 
     async def _settle(
         self,

@@ -294,3 +294,17 @@ async def test_a_dead_poller_fails_liveness_and_exits_1(registry: Registry) -> N
         _, detail = h.worker.liveness()
     assert code == 1
     assert detail["dead_pollers"]
+
+
+async def test_a_hung_handler_times_out_as_a_failure(registry: Registry) -> None:
+    async def hung(p: Note, conn: Any) -> None:
+        await asyncio.sleep(3600)
+
+    registry._specs.pop("note")
+    registry.register("note", Note, hung)
+    q = FakeQueue()
+    mid = q.send(body("h1", 1))
+    async with Harness(settings(handler_timeout=0.2), registry, q) as h:
+        await until(lambda: any(c[0] == mid for c in q.visibility_calls), "released")
+        assert h.store.failures.get("h1") == 1  # counted as a handler failure
+        assert "h1" not in h.store.rows  # claim released
