@@ -97,7 +97,8 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
             print(f"sqs-ingest: {exc}", flush=True)
             return EXIT_FATAL
         state.db = True
-        store = Store(pool)
+        control_pool = await create_pool(settings.database_url, 2)
+        store = Store(pool, control_pool=control_pool)
         async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
                               max_pool_connections=settings.pollers * 2 + 10) as client:
             queue = SqsQueue(client, settings.queue_url)
@@ -117,10 +118,11 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
             if stop.is_set():
                 worker.request_stop()
             code = await worker.run()
-        try:
-            await asyncio.wait_for(pool.close(), timeout=5)
-        except TimeoutError:
-            pool.terminate()
+        for p in (pool, control_pool):
+            try:
+                await asyncio.wait_for(p.close(), timeout=5)
+            except TimeoutError:
+                p.terminate()
         return code
     except asyncpg.PostgresError as exc:
         log.error("fatal_database_error", error=str(exc))

@@ -149,26 +149,35 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
 class Store:
     """PostgreSQL side of the pipeline. Every method is one short transaction."""
 
-    def __init__(self, pool: asyncpg.Pool, worker_id: str | None = None) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        worker_id: str | None = None,
+        control_pool: asyncpg.Pool | None = None,
+    ) -> None:
         self.pool = pool
+        # Heartbeats and GC get their own connections: with every batch connection busy
+        # (slow handlers), a heartbeat queued behind them could outlive the lease and let
+        # other replicas collect our live claims.
+        self.control = control_pool or pool
         self.worker_id = worker_id or new_worker_id()
 
     # -- workers -----------------------------------------------------------------------
 
     async def register_worker(self, name: str) -> None:
-        async with self.pool.acquire() as conn:
+        async with self.control.acquire() as conn:
             await conn.execute(
                 Q["register_worker"], self.worker_id, name, socket.gethostname(), os.getpid()
             )
 
     async def heartbeat(self) -> bool:
         """False when this worker was marked stopped (its claims may be collected)."""
-        async with self.pool.acquire() as conn:
+        async with self.control.acquire() as conn:
             return await conn.fetchval(Q["heartbeat"], self.worker_id) is not None
 
     async def stop_worker(self) -> int:
         """Release every claim still held and mark this worker stopped."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.control.acquire() as conn, conn.transaction():
             released = await conn.fetch(
                 "DELETE FROM modifications WHERE owner = $1 AND status = 'IN_PROGRESS'"
                 " RETURNING request_id",
@@ -181,7 +190,7 @@ class Store:
         self, lease_seconds: float, name: str | None = None, started_before: datetime | None = None
     ) -> list[asyncpg.Record]:
         """Release claims of dead workers. Never touches a claim of a live worker."""
-        async with self.pool.acquire() as conn:
+        async with self.control.acquire() as conn:
             rows = await conn.fetch(
                 Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
             )
@@ -189,13 +198,13 @@ class Store:
             return list(rows)
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
-        async with self.pool.acquire() as conn:
+        async with self.control.acquire() as conn:
             rows = await conn.fetch(Q["gc_own_leaks"], self.worker_id, list(holding))
             return [r["request_id"] for r in rows]
 
     async def ping(self) -> None:
         try:
-            async with self.pool.acquire(timeout=5) as conn:
+            async with self.control.acquire(timeout=5) as conn:
                 await conn.fetchval("SELECT 1")
         except CONNECTION_ERRORS as exc:
             raise _wrap_connection_errors(exc) from exc
@@ -255,9 +264,12 @@ class Store:
                                     results[id(m)] = _encode_result(await call(m, conn))
                                 except Exception as exc:
                                     if _connection_broken(conn, exc):
-                                        raise
-                                    if isinstance(exc, RETRY_TRANSACTION):
+                                        raise DatabaseUnavailable(
+                                            f"connection lost in a handler: {exc!r}") from exc
+                                    if isinstance(exc, RETRY_TRANSACTION) and conflicts < 3:
                                         raise _Rerun() from exc
+                                    # Also a conflict that keeps coming back in this one
+                                    # message's handler (its own NOWAIT/lock_timeout): blame it.
                                     failed_at = (m, exc)
                                     raise _Rollback() from exc
                             outputs = [results[id(m)] for m in live]
@@ -278,8 +290,12 @@ class Store:
                     except _Rerun as rerun:
                         conflicts += 1
                         if conflicts >= 3:
-                            raise TransientError(f"transaction conflict: {rerun.__cause__}") \
-                                from rerun.__cause__
+                            if singly:
+                                # Not a handler's: the fence or complete statement itself.
+                                raise TransientError(
+                                    f"transaction conflict: {rerun.__cause__}"
+                                ) from rerun.__cause__
+                            singly = True  # one by one, so a repeat conflict names its message
                         continue
                     except _Rollback:
                         assert failed_at is not None
@@ -421,7 +437,7 @@ async def _run_batched(
                 results[id(m)] = _encode_result(out)
         except Exception as exc:
             if _connection_broken(conn, exc):
-                raise
+                raise DatabaseUnavailable(f"connection lost in a batch handler: {exc!r}") from exc
             if isinstance(exc, RETRY_TRANSACTION):
                 raise _Rerun() from exc
             raise _Singly() from exc

@@ -288,13 +288,25 @@ class Worker:
             await stop_extender()
             await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
         except asyncio.CancelledError:
-            extender.cancel()
-            await asyncio.shield(self._abandon(unresolved, claimed, 0))
+            async def release_all() -> None:
+                await stop_extender()  # a late extension must not re-hide what we release
+                await self._abandon(unresolved, claimed, 0)
+
+            await asyncio.shield(release_all())
             raise
+        except TransientError as exc:
+            log.warning("batch_retry_later", error=str(exc))
+            await stop_extender()
+            await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
         except Exception as exc:
             log.exception("batch_failed", error=repr(exc))
             await stop_extender()
-            await self._give_up_on_repeat_offenders(unresolved, repr(exc))
+            try:
+                await self._give_up_on_repeat_offenders(unresolved, claimed, repr(exc))
+            except AckFailed as ack:
+                metrics.ack_failures.inc(len(ack.message_ids))
+                self._fatal(EXIT_ACK_FAILED, "ack_failed", message_ids=ack.message_ids,
+                            error=ack.detail)
             await self._abandon(unresolved, claimed, self._jittered(self.s.retry_base_seconds))
         finally:
             extender.cancel()
@@ -534,7 +546,7 @@ class Worker:
             log.info("visibility_extended", count=len(changes), seconds=vt)
 
     async def _give_up_on_repeat_offenders(
-        self, unresolved: dict[str, Received], error: str
+        self, unresolved: dict[str, Received], claimed: list[Message], error: str
     ) -> None:
         """Safety net for a batch that keeps failing outside any handler (a bug, a value
         the database refuses): a message received far more often than the retry limit is
@@ -543,14 +555,16 @@ class Worker:
         doomed = [m for m in unresolved.values() if m.receive_count > ceiling]
         if not doomed or not self._db_up.is_set():
             return
+        doomed_ids = {m.message_id for m in doomed}
         try:
+            await self.store.release([m for m in claimed if m.raw.message_id in doomed_ids])
             await self.store.dead_letter([
                 DeadLetter(m.message_id, m.body, "processing_error", error[:2000], None, None,
                            m.receive_count) for m in doomed])
-            await self.queue.delete_batch(doomed)
         except DB_ERRORS as exc:
             log.warning("dead_letter_failed", error=str(exc))
             return
+        await self.queue.delete_batch(doomed)  # AckFailed propagates: exit 3
         for m in doomed:
             unresolved.pop(m.message_id, None)
             metrics.dead_letters.labels("processing_error").inc()

@@ -63,6 +63,7 @@ INSERT INTO entities AS e (entity_id, version, deleted, data, request_id, update
 SELECT entity_id, version, deleted, data::jsonb, request_id, now()
   FROM unnest($1::text[], $2::bigint[], $3::boolean[], $4::text[], $5::text[])
     AS t(entity_id, version, deleted, data, request_id)
+ ORDER BY entity_id  -- one lock order for every replica: no deadlock between batches
 ON CONFLICT (entity_id) DO UPDATE
    SET version = EXCLUDED.version, deleted = EXCLUDED.deleted, data = EXCLUDED.data,
        request_id = EXCLUDED.request_id, updated_at = now()

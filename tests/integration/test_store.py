@@ -419,3 +419,23 @@ class _Caller:
         assert spec is not None and spec.batch_fn is not None
         self.batched += 1
         return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
+
+
+async def test_a_conflict_that_keeps_coming_back_blames_its_message(pool: asyncpg.Pool) -> None:
+    """A handler whose own lock wait keeps failing (NOWAIT, lock_timeout) is rerun a few
+    times, then counted as that message's failure; its neighbours still complete."""
+    a = await registered(pool, "w-a")
+    batch = [msg("n1"), msg("locky"), msg("n3")]
+    await a.claim(batch)
+    attempts: list[str] = []
+
+    async def handler(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
+        attempts.append(m.request_id)
+        if m.request_id == "locky":
+            raise asyncpg.exceptions.LockNotAvailableError("could not obtain lock")
+        return {}
+
+    res = await a.apply(batch, handler)
+    assert [m.request_id for m, _ in res.failed] == ["locky"]
+    assert sorted(m.request_id for m, _ in res.completed) == ["n1", "n3"]
+    assert attempts.count("locky") == 4  # three reruns, then blamed
