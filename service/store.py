@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import asyncpg
 import orjson
 
-from service.errors import DatabaseUnavailable, TransientError
+from service.errors import DatabaseUnavailable
 from service.messages import Message, Poison
 from service.sql import queries
 
@@ -287,15 +287,12 @@ class Store:
                     except _Singly:
                         singly = True  # find the failing message one by one
                         continue
-                    except _Rerun as rerun:
+                    except _Rerun:
                         conflicts += 1
                         if conflicts >= 3:
-                            if singly:
-                                # Not a handler's: the fence or complete statement itself.
-                                raise TransientError(
-                                    f"transaction conflict: {rerun.__cause__}"
-                                ) from rerun.__cause__
-                            singly = True  # one by one, so a repeat conflict names its message
+                            # From now on one by one, and a conflict in a handler is that
+                            # message's failure: the loop always ends.
+                            singly = True
                         continue
                     except _Rollback:
                         assert failed_at is not None
