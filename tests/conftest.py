@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -36,21 +37,30 @@ def pg_server() -> Iterator[Postgres]:
         yield pg
 
 
-@pytest.fixture
-async def database_url(pg_server: Postgres) -> AsyncIterator[str]:
-    """A fresh, migrated database per test, copied from the template."""
+@contextlib.asynccontextmanager
+async def fresh_database(pg: Postgres) -> AsyncIterator[str]:
+    """A migrated database copied from the template, dropped afterwards."""
     name = "t_" + uuid.uuid4().hex[:12]
-    conn = await asyncpg.connect(pg_server.dsn())
+    conn = await asyncpg.connect(pg.dsn())
     try:
         await conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
     finally:
         await conn.close()
-    yield pg_server.dsn(name)
-    conn = await asyncpg.connect(pg_server.dsn())
     try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        yield pg.dsn(name)
     finally:
-        await conn.close()
+        conn = await asyncpg.connect(pg.dsn())
+        try:
+            await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        finally:
+            await conn.close()
+
+
+@pytest.fixture
+async def database_url(pg_server: Postgres) -> AsyncIterator[str]:
+    """A fresh, migrated database per test, copied from the template."""
+    async with fresh_database(pg_server) as dsn:
+        yield dsn
 
 
 @pytest.fixture

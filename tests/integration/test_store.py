@@ -239,17 +239,7 @@ async def test_registry_entity_handlers_follow_the_version_rule(pool: asyncpg.Po
     load_reference_handlers()
     reg: Registry = default_registry
     a = await registered(pool, "w-a")
-
-    async def call(m: Message, conn: asyncpg.Connection) -> Any:
-        from service.handlers import _request_id
-
-        spec = reg.get(m.type)
-        assert spec is not None
-        tok = _request_id.set(m.request_id)
-        try:
-            return await spec.fn(m.payload, conn)
-        finally:
-            _request_id.reset(tok)
+    call = _Caller(reg).one
 
     import json
 

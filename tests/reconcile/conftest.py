@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import sys
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
-import asyncpg
 import pytest
 import structlog
 
-from tests.conftest import TEMPLATE_DB
+from tests.conftest import fresh_database
 from tests.servers import Postgres
 
 if TYPE_CHECKING:
@@ -71,23 +69,8 @@ def spark() -> Iterator[SparkSession]:
     session.stop()
 
 
-async def _create_db(pg: Postgres) -> str:
-    name = "t_" + uuid.uuid4().hex[:12]
-    conn = await asyncpg.connect(pg.dsn())
-    try:
-        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
-    finally:
-        await conn.close()
-    return name
-
-
 @pytest.fixture
 async def peer_url(pg_server: Postgres) -> AsyncIterator[str]:
     """A second fresh migrated database (the ``database_url`` fixture is the primary)."""
-    name = await _create_db(pg_server)
-    yield pg_server.dsn(name)
-    conn = await asyncpg.connect(pg_server.dsn())
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
+    async with fresh_database(pg_server) as dsn:
+        yield dsn
