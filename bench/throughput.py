@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.settings import Settings  # noqa: E402
-from tests.servers import free_port, postgres_server, wait_until  # noqa: E402
+from tests.servers import free_port, postgres_server, stop_process, wait_until  # noqa: E402
 
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
@@ -187,12 +187,7 @@ def localstack_server() -> Iterator[LocalStack]:
         doc = wait_until(health, 60, "LocalStack SQS", interval=0.1)
         yield LocalStack(url, proc.pid, str(doc.get("version")))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
         log.close()
         import shutil
 

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -107,6 +108,16 @@ def postgres_server() -> Iterator[Postgres]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
     port = free_port()
@@ -129,8 +140,4 @@ def moto_server() -> Iterator[str]:
         wait_until(up, 30, "moto_server")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)

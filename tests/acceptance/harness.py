@@ -174,6 +174,15 @@ def send_all(sqs: Any, queue_url: str, bodies: list[str]) -> None:
         assert not resp.get("Failed"), resp
 
 
+async def completed_rows(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(
+            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'"))
+    finally:
+        await conn.close()
+
+
 def queue_depth(sqs: Any, queue_url: str) -> int:
     a = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["All"])["Attributes"]
     return int(a["ApproximateNumberOfMessages"]) + int(a["ApproximateNumberOfMessagesNotVisible"])

@@ -3,6 +3,7 @@ outage. Each scenario ends by checking the same invariants (harness.check_invari
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
 import signal
@@ -16,6 +17,7 @@ from tests.acceptance.harness import (
     Daemon,
     Workload,
     check_invariants,
+    completed_rows,
     daemon_env,
     queue_depth,
     send_all,
@@ -28,21 +30,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 
 def completed(dsn: str) -> int:
-    import asyncio
-
-    import asyncpg
-
-    async def q() -> int:
-        conn = await asyncpg.connect(dsn)
-        try:
-            return int(await conn.fetchval(
-                "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'"))
-        finally:
-            await conn.close()
-
     # Called from sync wait loops inside async tests: run on a private loop in a thread.
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        return ex.submit(asyncio.run, q()).result(30)
+        return ex.submit(asyncio.run, completed_rows(dsn)).result(30)
 
 
 async def test_kill_9_at_random_moments(

@@ -21,7 +21,14 @@ import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.acceptance.harness import Daemon, daemon_env, send_all, upsert, wait_drained
+from tests.acceptance.harness import (
+    Daemon,
+    completed_rows,
+    daemon_env,
+    send_all,
+    upsert,
+    wait_drained,
+)
 from tests.servers import free_port, wait_until
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -113,15 +120,6 @@ def prometheus(tmp: Path, target_port: int) -> Iterator[Prometheus]:
         yield p
     finally:
         p.stop()
-
-
-async def completed_rows(dsn: str) -> int:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return int(await conn.fetchval(
-            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'"))
-    finally:
-        await conn.close()
 
 
 @pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
