@@ -535,7 +535,7 @@ def test_alerts_use_only_exported_metrics() -> None:
     the registries the daemon and the reconcile sidecar really build."""
     try:
         from service.metrics import REGISTRY
-        from service.reconcile.cli import RunMetrics
+        from service.reconcile.metrics import RunMetrics
     except ImportError as exc:
         pytest.skip(f"service metrics not importable yet: {exc}")
     exported = _exported(REGISTRY) | _exported(RunMetrics().registry) | {"up"}

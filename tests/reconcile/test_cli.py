@@ -13,7 +13,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from service.reconcile import cli, io
+from service.reconcile import cli, io, parser, sidecar
+from service.reconcile.metrics import RunMetrics
+from service.reconcile.runner import Runner
 from tests.servers import free_port, wait_until
 
 pytestmark = pytest.mark.spark
@@ -46,13 +48,13 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_schedule_and_night_date() -> None:
-    fired = cli.next_fire("0 3 * * *", datetime(2024, 5, 2, 3, 0, tzinfo=UTC))
+    fired = sidecar.next_fire("0 3 * * *", datetime(2024, 5, 2, 3, 0, tzinfo=UTC))
     assert fired == datetime(2024, 5, 3, 3, 0, tzinfo=UTC)
-    assert cli.night_date(fired) == date(2024, 5, 2)
-    assert cli.yesterday(datetime(2024, 1, 1, 0, 30, tzinfo=UTC)) == date(2023, 12, 31)
+    assert sidecar.night_date(fired) == date(2024, 5, 2)
+    assert parser.yesterday(datetime(2024, 1, 1, 0, 30, tzinfo=UTC)) == date(2023, 12, 31)
 
 
-def _runs_total(metrics: cli.RunMetrics, outcome: str) -> float:
+def _runs_total(metrics: RunMetrics, outcome: str) -> float:
     value = metrics.registry.get_sample_value(
         "sqs_ingest_reconcile_runs_total", {"outcome": outcome}
     )
@@ -67,10 +69,10 @@ async def test_second_sidecar_skips_the_night(
     def no_spark(*args: object) -> None:
         raise AssertionError("the job must not run")
 
-    monkeypatch.setattr(cli.Runner, "_run_spark", no_spark)
-    metrics = cli.RunMetrics()
-    runner = cli.Runner(
-        cli.Args(cli.build_parser().parse_args(["--database-url", database_url])), metrics
+    monkeypatch.setattr(Runner, "_run_spark", no_spark)
+    metrics = RunMetrics()
+    runner = Runner(
+        parser.Args(parser.build_parser().parse_args(["--database-url", database_url])), metrics
     )
     night = date(2024, 5, 1)
 
@@ -97,7 +99,9 @@ async def test_second_sidecar_skips_the_night(
 def test_daemon_import_path_does_not_load_pyspark() -> None:
     code = (
         "import sys, service.reconcile, service.reconcile.cli, service.reconcile.io, "
-        "service.reconcile.job, service.reconcile.transforms; "
+        "service.reconcile.job, service.reconcile.transforms, service.reconcile.parser, "
+        "service.reconcile.session, service.reconcile.runner, service.reconcile.metrics, "
+        "service.reconcile.sidecar; "
         "assert 'pyspark' not in sys.modules, 'pyspark imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

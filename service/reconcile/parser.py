@@ -1,0 +1,116 @@
+"""The command line of ``sqs-ingest reconcile``: its arguments and the job options they map to."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from service.reconcile.session import DEFAULT_JDBC_JAR
+
+if TYPE_CHECKING:
+    from service.reconcile.job import JobOptions
+
+EXIT_CONFIG = 2
+
+
+class UsageError(Exception):
+    """Bad arguments/configuration: one line, exit 2."""
+
+
+def _date(value: str) -> date:
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a YYYY-MM-DD date: {value!r}") from None
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        try:
+            n = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0: {value!r}")
+        return n
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sqs-ingest reconcile",
+        description="Reconcile modifications/entities across databases (PySpark).",
+    )
+    p.add_argument("--date", type=_date, help="UTC day to check (default: yesterday)")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="primary database, postgresql://… (default: $INGEST_DATABASE_URL)",
+    )
+    p.add_argument(
+        "--peer-url", action="append", default=[], help="peer database to compare (repeatable)"
+    )
+    p.add_argument("--lookback-hours", type=_positive(float), default=24.0)
+    p.add_argument("--stuck-after", type=_positive(float), default=60.0, help="minutes")
+    p.add_argument(
+        "--skew-minutes",
+        type=_positive(float),
+        default=60.0,
+        help="margin read around the window when looking a request up in the other database",
+    )
+    p.add_argument("--master", default=None, help="Spark master (default local[*])")
+    p.add_argument("--jars", default=None, help=f"extra jars, comma-separated ({DEFAULT_JDBC_JAR})")
+    p.add_argument("--partitions", type=_positive(int), default=8, help="JDBC read partitions")
+    p.add_argument("--max-discrepancies", type=_positive(int), default=100_000)
+    p.add_argument("--output", default=None, help="directory for all discrepancies (JSON lines)")
+    p.add_argument("--pushgateway", default=None, help="Prometheus Pushgateway URL")
+    p.add_argument("--schedule", default=None, help='sidecar mode, e.g. "0 3 * * *" (UTC)')
+    p.add_argument("--metrics-port", type=_positive(int), default=9103, help="sidecar metrics")
+    p.add_argument("--log-format", choices=["json", "console"], default=None)
+    return p
+
+
+@dataclass(frozen=True)
+class Args:
+    """The parsed command line, and the job options it means for one date."""
+
+    ns: argparse.Namespace
+
+    def options(self, run_date: date) -> JobOptions:
+        from service.reconcile.io import Database, DsnError, jdbc_target
+        from service.reconcile.job import JobOptions
+
+        primary_dsn = self.ns.database_url or os.environ.get("INGEST_DATABASE_URL")
+        if not primary_dsn:
+            raise UsageError(
+                "configuration error: --database-url or INGEST_DATABASE_URL is required"
+            )
+        dbs = [Database("primary", primary_dsn)] + [
+            Database(f"peer{i}", url) for i, url in enumerate(self.ns.peer_url, start=1)
+        ]
+        for db in dbs:
+            try:
+                jdbc_target(db.dsn)
+            except DsnError as exc:
+                raise UsageError(f"configuration error: {db.label}: {exc}") from None
+        return JobOptions(
+            run_date=run_date,
+            primary=dbs[0],
+            peers=tuple(dbs[1:]),
+            lookback=timedelta(hours=self.ns.lookback_hours),
+            stuck_after=timedelta(minutes=self.ns.stuck_after),
+            skew_margin=timedelta(minutes=self.ns.skew_minutes),
+            partitions=max(1, self.ns.partitions),
+            max_discrepancies=self.ns.max_discrepancies,
+            output=self.ns.output,
+        )
+
+
+def yesterday(now: datetime | None = None) -> date:
+    """The UTC day before ``now`` (default: the current time)."""
+    return ((now or datetime.now(UTC)).astimezone(UTC) - timedelta(days=1)).date()
