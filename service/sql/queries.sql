@@ -117,3 +117,59 @@ DELETE FROM workers
  WHERE heartbeat_at < now() - interval '7 days'
    AND NOT EXISTS (SELECT 1 FROM modifications m
                     WHERE m.owner = workers.worker_id AND m.status = 'IN_PROGRESS')
+
+-- name: dlq_list
+-- Dead letters (`sqs-ingest dlq`). Listing: filters by reason and time; replayed rows
+-- only when asked ($4).
+SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
+       received_at, replayed_at
+  FROM dead_letters
+ WHERE ($1::text IS NULL OR reason = $1)
+   AND ($2::timestamptz IS NULL OR received_at >= $2)
+   AND ($3::timestamptz IS NULL OR received_at < $3)
+   AND ($4::boolean OR replayed_at IS NULL)
+ ORDER BY id
+ LIMIT $5
+
+-- name: dlq_lock_one
+-- replayed_at IS NULL is in the locking query on purpose: a session that waited for the
+-- lock re-evaluates it on the committed row version and gets no row back.
+SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
+       received_at, replayed_at
+  FROM dead_letters
+ WHERE id = $1 AND replayed_at IS NULL
+   FOR UPDATE
+
+-- name: dlq_find_one
+SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
+       received_at, replayed_at
+  FROM dead_letters WHERE id = $1
+
+-- name: dlq_lock_batch
+-- SKIP LOCKED: concurrent `replay --all` runs split the rows instead of waiting for (and
+-- then double-sending) each other's. $2 bounds the run to the rows that existed at its start.
+SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
+       received_at, replayed_at
+  FROM dead_letters
+ WHERE replayed_at IS NULL
+   AND ($1::text IS NULL OR reason = $1)
+   AND ($2::bigint IS NULL OR id <= $2)
+ ORDER BY id
+ LIMIT $3
+   FOR UPDATE SKIP LOCKED
+
+-- name: dlq_pending
+-- What `replay --all` would send now, without locks (for --dry-run).
+SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
+       received_at, replayed_at
+  FROM dead_letters
+ WHERE replayed_at IS NULL
+   AND ($1::text IS NULL OR reason = $1)
+   AND ($2::bigint IS NULL OR id <= $2)
+ ORDER BY id
+
+-- name: dlq_max_id
+SELECT max(id) FROM dead_letters
+
+-- name: dlq_mark_replayed
+UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::bigint[]) RETURNING id

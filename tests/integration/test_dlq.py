@@ -25,6 +25,7 @@ import pytest
 from service import dlq
 from service.cli import _parser
 from service.dlq import AlreadyReplayed, Letter, NotFound, SendFailed
+from service.sql import queries
 from tests.integration.conftest import make_settings
 
 BODY_WEIRD = 'not json {\u00e9\t"x":  1}\n  trailing spaces   \r\n\u2603'
@@ -107,7 +108,7 @@ async def racy_replay_one(conn: asyncpg.Connection, letter_id: int, send: dlq.Se
         row = await conn.fetchrow(
             "SELECT * FROM dead_letters WHERE id = $1 AND replayed_at IS NULL", letter_id)
         if row is None:
-            raise AlreadyReplayed(Letter.of(await conn.fetchrow(dlq.SQL_FIND_ONE, letter_id)))
+            raise AlreadyReplayed(Letter.of(await conn.fetchrow(queries()["dlq_find_one"], letter_id)))
         letter = Letter.of(row)
         await send(letter)
         await conn.execute("UPDATE dead_letters SET replayed_at = now() WHERE id = $1", letter_id)
