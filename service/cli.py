@@ -127,10 +127,13 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _migrate(settings: Settings) -> int:
     import asyncpg
 
-    from service.migrate import migrate
+    from service.migrate import MigrationChanged, migrate
 
     try:
         applied = await migrate(settings.database_url)
+    except MigrationChanged as exc:
+        print(f"sqs-ingest: migrate refused: {exc}", file=sys.stderr)
+        return 1
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         print(f"sqs-ingest: migrate failed on {redact_dsn(settings.database_url)}: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,7 +1,10 @@
-"""Applies ``migrations/NNN_name.sql`` in order, under an advisory lock.
+"""Applies ``migrations/NNN_name.sql`` in order, under an advisory lock, and checks them.
 
 Two processes migrating at once (an initContainer per replica) serialise on the lock;
-the second finds every version recorded and applies nothing.
+the second finds every version recorded and applies nothing. Each applied file's
+checksum is recorded and compared on every ``migrate`` and ``run``: a file edited after it
+was applied would never be applied again, so the database would silently differ from what
+the code expects — that is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -40,9 +43,29 @@ class Migration:
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
+    @property
+    def filename(self) -> str:
+        return f"{self.version:03d}_{self.name}.sql"
+
 
 class SchemaBehind(Exception):
     """The database lacks migrations this code needs."""
+
+
+class MigrationChanged(SchemaBehind):
+    """An applied migration's file no longer matches what was applied (its checksum).
+
+    A ``SchemaBehind``: wherever a schema that is behind is refused (``run``, ``/readyz``),
+    so is this one.
+    """
+
+    def __init__(self, migration: Migration) -> None:
+        super().__init__(
+            f"migration {migration.filename} was changed after it was applied (checksum "
+            "differs from ingest_schema_migrations): restore the file and put the change "
+            "in a new migration"
+        )
+        self.migration = migration
 
 
 def migrations_dir() -> Path:
@@ -71,11 +94,21 @@ def latest_version() -> int:
     return migs[-1].version if migs else 0
 
 
-async def applied_versions(conn: asyncpg.Connection) -> set[int]:
+async def applied_checksums(conn: asyncpg.Connection) -> dict[int, str]:
+    """Version → checksum of every migration recorded as applied."""
     exists = await conn.fetchval("SELECT to_regclass('ingest_schema_migrations') IS NOT NULL")
     if not exists:
-        return set()
-    return {r["version"] for r in await conn.fetch("SELECT version FROM ingest_schema_migrations")}
+        return {}
+    rows = await conn.fetch("SELECT version, checksum FROM ingest_schema_migrations")
+    return {r["version"]: r["checksum"] for r in rows}
+
+
+def _check_unchanged(migrations: list[Migration], applied: dict[int, str]) -> None:
+    """Raise MigrationChanged for the first applied migration whose file was edited since."""
+    for mig in migrations:
+        recorded = applied.get(mig.version)
+        if recorded is not None and recorded != mig.checksum:
+            raise MigrationChanged(mig)
 
 
 async def migrate(dsn: str) -> list[Migration]:
@@ -86,8 +119,10 @@ async def migrate(dsn: str) -> list[Migration]:
         await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
         try:
             await conn.execute(VERSION_TABLE)
-            done = await applied_versions(conn)
-            for mig in load_migrations():
+            done = await applied_checksums(conn)
+            migrations = load_migrations()
+            _check_unchanged(migrations, done)  # before applying anything on top of it
+            for mig in migrations:
                 if mig.version in done:
                     continue
                 async with conn.transaction():
@@ -109,9 +144,12 @@ async def migrate(dsn: str) -> list[Migration]:
 
 
 async def check_schema(conn: asyncpg.Connection) -> None:
-    """Raise SchemaBehind naming the command to run when migrations are pending."""
-    done = await applied_versions(conn)
-    missing = [m.version for m in load_migrations() if m.version not in done]
+    """Raise SchemaBehind naming the command to run when migrations are pending, or
+    MigrationChanged naming the file when an applied migration was edited since."""
+    done = await applied_checksums(conn)
+    migrations = load_migrations()
+    _check_unchanged(migrations, done)
+    missing = [m.version for m in migrations if m.version not in done]
     if missing:
         raise SchemaBehind(
             f"database schema is behind (missing migrations {missing}): "

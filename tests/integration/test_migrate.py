@@ -2,13 +2,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import asyncpg
+import pytest
 
-from service.migrate import load_migrations, migrate
+from service import migrate as migrate_module
+from service.migrate import (
+    MigrationChanged,
+    applied_checksums,
+    check_schema,
+    load_migrations,
+    migrate,
+    migrations_dir,
+)
 from tests.servers import Postgres
 
 
@@ -55,3 +66,46 @@ async def test_run_refuses_a_schema_that_is_behind(pg_server: Postgres) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "sqs-ingest migrate" in proc.stdout + proc.stderr
+
+
+def _sqs_ingest(command: str, dsn: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INGEST_")}
+    env.update(INGEST_DATABASE_URL=dsn, INGEST_QUEUE_URL="http://127.0.0.1:9/q",
+               INGEST_HTTP_PORT="0")
+    return subprocess.run([sys.executable, "-m", "service", command], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_an_applied_migration_changed_since_is_refused(
+    pg_server: Postgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit to an applied file would never reach the database: migrate and run refuse."""
+    dsn = await empty_db(pg_server)
+    await migrate(dsn)
+    first = load_migrations()[0]
+    # The same tree, with the first file edited after it was applied and a new one on top.
+    edited = tmp_path / "migrations"
+    shutil.copytree(migrations_dir(), edited)
+    (edited / first.filename).write_text(first.sql + "\n-- edited after rollout\n")
+    (edited / "999_later.sql").write_text("CREATE TABLE later_one (id int);\n")
+    monkeypatch.setattr(migrate_module, "migrations_dir", lambda: edited)
+
+    with pytest.raises(MigrationChanged, match=first.filename):
+        await migrate(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert 999 not in await applied_checksums(conn)  # nothing applied on top of it
+        with pytest.raises(MigrationChanged, match=first.filename):
+            await check_schema(conn)
+        # The same mismatch seen from a process running the shipped files.
+        await conn.execute("UPDATE ingest_schema_migrations SET checksum = 'edited'"
+                           " WHERE version = $1", first.version)
+    finally:
+        await conn.close()
+    proc = _sqs_ingest("migrate", dsn)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and first.filename in proc.stderr
+    proc = _sqs_ingest("run", dsn)
+    assert proc.returncode == 1
+    assert first.filename in proc.stdout + proc.stderr
