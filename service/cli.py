@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+
+# Nothing heavier than the lines above before main() has installed the early signal
+# handlers: not even ``typing`` (tens of ms), hence the plain-constant TYPE_CHECKING.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Coroutine
+    from typing import Any
+
+    from service.settings import Settings
 
 _early_signals: list[int] = []
 
@@ -12,25 +23,13 @@ def _remember_signal(signum: int, _frame: object) -> None:
     _early_signals.append(signum)
 
 
-if sys.argv[1:2] == ["run"]:
-    # Installed before the heavy imports below: a SIGTERM that lands while the daemon is
-    # still importing and connecting must mean "stop cleanly" (exit 0), not "die".
-    for _sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(_sig, _remember_signal)
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-from collections.abc import Coroutine  # noqa: E402
-from typing import Any  # noqa: E402
-
-from service.settings import ConfigError, Settings, load_settings, redact_dsn  # noqa: E402
-
 EXIT_CONFIG = 2
 NO_QUEUE = "http://no-queue.invalid/not-configured"
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse
+
     p = argparse.ArgumentParser(prog="sqs-ingest", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the daemon in the foreground")
@@ -62,14 +61,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
-        # A SIGTERM that lands while we are still importing and connecting must still mean
-        # "stop cleanly" (exit 0), not the default "die".
+        # The one place the early handlers are installed, before the heavy imports below: a
+        # SIGTERM that lands while the daemon is still importing and connecting must mean
+        # "stop cleanly" (exit 0), not the default "die". app.run replaces them.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _remember_signal)
     if argv and argv[0] == "reconcile":
         from service.reconcile.cli import main as reconcile_main
 
         return reconcile_main(argv[1:])
+    from service.settings import ConfigError
+
     args = _parser().parse_args(argv)
     try:
         settings = _settings_for(args)
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _settings_for(args: argparse.Namespace) -> Settings:
+    from service.settings import load_settings
+
     # migrate, gc and dlq list only need the database: a migrate Job may have no queue URL.
     db_only = args.command in ("migrate", "gc") or (
         args.command == "dlq" and args.dlq_command == "list"
@@ -117,6 +121,8 @@ def _settings_for(args: argparse.Namespace) -> Settings:
 
 
 def _run_async(coro: Coroutine[Any, Any, int]) -> int:
+    import asyncio
+
     try:
         import uvloop
     except ImportError:
@@ -128,6 +134,7 @@ async def _migrate(settings: Settings) -> int:
     import asyncpg
 
     from service.migrate import MigrationChanged, migrate
+    from service.settings import redact_dsn
 
     try:
         applied = await migrate(settings.database_url)
@@ -146,6 +153,7 @@ async def _migrate(settings: Settings) -> int:
 async def _gc(settings: Settings) -> int:
     import asyncpg
 
+    from service.settings import redact_dsn
     from service.store import Store, create_pool
 
     try:
