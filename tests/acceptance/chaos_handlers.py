@@ -3,6 +3,11 @@
 Each invocation is appended to ``$CHAOS_DIR/invocations.log`` *outside* the transaction
 (so redeliveries and retries are visible), while the effect row in ``chaos_effects`` is
 written inside it (so it lands once or not at all).
+
+``ledger.append`` is the chaos workload's counting effect: every run appends a row to
+``chaos_ledger`` (no unique key), so an effect applied twice leaves two rows where the
+reference entity handlers, idempotent by version, would hide it. It has a batch form too,
+so the batch path and its one-by-one rerun are held to the same count.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 import asyncpg
 from pydantic import BaseModel
 
-from service.handlers import current_request_id, handler
+from service.handlers import batch_handler, current_request_id, handler
 
 
 class Slow(BaseModel):
@@ -23,6 +28,11 @@ class Slow(BaseModel):
 
 class Flaky(BaseModel):
     fail_times: int
+
+
+class LedgerEntry(BaseModel):
+    group: str
+    seq: int
 
 
 def _record() -> int:
@@ -51,3 +61,26 @@ async def flaky(p: Flaky, conn: asyncpg.Connection) -> dict[str, int]:
         raise RuntimeError(f"flaky failure {attempt} of {p.fail_times}")
     await _effect(conn)
     return {"attempts": attempt}
+
+
+LEDGER_DDL = ("CREATE TABLE chaos_ledger (id bigserial PRIMARY KEY, request_id text NOT NULL,"
+              " grp text NOT NULL, seq int NOT NULL)")
+
+
+@handler("ledger.append", LedgerEntry)
+async def ledger_append(p: LedgerEntry, conn: asyncpg.Connection) -> dict[str, int]:
+    await conn.execute("INSERT INTO chaos_ledger (request_id, grp, seq) VALUES ($1, $2, $3)",
+                       current_request_id(), p.group, p.seq)
+    return {"seq": p.seq}
+
+
+@batch_handler("ledger.append")
+async def ledger_append_many(
+    items: list[tuple[str, LedgerEntry]], conn: asyncpg.Connection
+) -> list[dict[str, int] | None]:
+    await conn.execute(
+        "INSERT INTO chaos_ledger (request_id, grp, seq)"
+        " SELECT r, g, s FROM unnest($1::text[], $2::text[], $3::int[]) WITH ORDINALITY AS t(r, g, s, o)"
+        "  ORDER BY o",
+        [r for r, _ in items], [p.group for _, p in items], [p.seq for _, p in items])
+    return [{"seq": p.seq} for _, p in items]

@@ -5,6 +5,15 @@ from typing import Any
 
 import pytest
 
+from tests.acceptance.harness import create_ledger
+
+
+@pytest.fixture
+async def database_url(database_url: str) -> str:
+    """The per-test migrated database, plus the ledger the workload's counting effect needs."""
+    await create_ledger(database_url)
+    return database_url
+
 
 @pytest.fixture
 def make_queue(sqs_client: Any):  # type: ignore[no-untyped-def]

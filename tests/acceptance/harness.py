@@ -10,13 +10,29 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.acceptance.chaos_handlers import LEDGER_DDL
 from tests.servers import free_port, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+#: Loaded into every daemon the harness starts: ``ledger.append`` is the workload's
+#: counting effect (see chaos_handlers), the other types serve test_chaos_handlers.
+CHAOS_HANDLERS = "tests.acceptance.chaos_handlers"
+
+
+def chaos_seed(default: int) -> int:
+    """The seed of a randomised test: fixed per test, overridden by ``CHAOS_SEED`` to replay a
+    failure, and printed (pytest shows it with the failure)."""
+    seed = int(os.environ.get("CHAOS_SEED", default))
+    print(f"CHAOS_SEED={seed}  (rerun with CHAOS_SEED={seed} to replay)")
+    return seed
 
 
 class Daemon:
@@ -41,16 +57,19 @@ class Daemon:
         return self
 
     def get(self, path: str) -> tuple[int, str]:
+        """Status and body of an HTTP answer. Raises OSError when nothing answers: a closed
+        port is a dead or not yet listening process, never evidence of "not ready"."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
-        except OSError:
-            return 0, ""
 
     def ready(self) -> bool:
-        return self.get("/readyz")[0] == 200
+        try:
+            return self.get("/readyz")[0] == 200
+        except OSError:
+            return False  # not listening (yet, or any more)
 
     def wait_ready(self, timeout: float = 30) -> None:
         wait_until(lambda: self.ready() or self.exited(), timeout, f"{self.name} ready")
@@ -86,13 +105,13 @@ class Daemon:
         return "\n".join(p.read_text(errors="replace")[-4000:]
                          for p in sorted(self.log_dir.glob(f"{self.name}.*.log")))
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples named ``name`` (e.g. ``…_total``) whose labels include
+        ``labels``, parsed from ``/metrics``."""
         total = 0.0
-        for line in self.get("/metrics")[1].splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                head, _, value = line.rpartition(" ")
-                if head == name or head.startswith(name + "{"):
-                    total += float(value)
+        for family in text_string_to_metric_families(self.get("/metrics")[1]):
+            total += sum(s.value for s in family.samples if s.name == name
+                         and all(s.labels.get(k) == v for k, v in labels.items()))
         return total
 
 
@@ -107,17 +126,39 @@ def delete(rid: str, eid: str, version: int) -> str:
                        "payload": {"entity_id": eid, "version": version}})
 
 
+def ledger(rid: str, group: str, seq: int) -> str:
+    return json.dumps({"request_id": rid, "type": "ledger.append",
+                       "payload": {"group": group, "seq": seq}})
+
+
+async def create_ledger(dsn: str) -> None:
+    """The table ``ledger.append`` writes to; the daemon under test needs it before it starts."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(LEDGER_DDL)
+    finally:
+        await conn.close()
+
+
 @dataclass
 class Workload:
-    """A deterministic mix: valid upserts/deletes, ~20 % duplicates, SNS-wrapped copies,
-    poison bodies (each unique), and — sent later — reused keys."""
+    """A deterministic mix: valid upserts/deletes and ledger appends (the counting effect),
+    ~20 % duplicates, SNS-wrapped copies, poison bodies (each unique), and — sent later —
+    reused keys."""
 
     seed: int = 7
     entities: int = 40
-    valid: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # rid → (type, eid, ver)
+    groups: int = 6
+    ledger_share: float = 0.25  # 0 = the original entity-only mix
+    # rid → (type, entity id or ledger group, version or ledger sequence number)
+    valid: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     poison: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     _version: int = 0
+
+    def ledger_entries(self) -> dict[str, tuple[str, int]]:
+        """rid → (group, seq) of every ledger.append request."""
+        return {rid: (g, n) for rid, (kind, g, n) in self.valid.items() if kind == "ledger.append"}
 
     def bodies(self, n: int, prefix: str = "r") -> list[str]:
         rng = random.Random(f"{self.seed}-{prefix}")
@@ -125,8 +166,12 @@ class Workload:
         for i in range(n):
             self._version += 1
             rid, eid = f"{prefix}-{i}", f"e{rng.randrange(self.entities)}"
-            if rng.random() < 0.15:
+            kind_draw = rng.random()
+            if kind_draw < 0.15:
                 body, kind = delete(rid, eid, self._version), "entity.delete"
+            elif kind_draw < 0.15 + self.ledger_share:
+                eid = f"g{rng.randrange(self.groups)}"
+                body, kind = ledger(rid, eid, self._version), "ledger.append"
             else:
                 body, kind = upsert(rid, eid, self._version), "entity.upsert"
             self.valid[rid] = (kind, eid, self._version)
@@ -161,6 +206,8 @@ class Workload:
     def expected_entities(self) -> dict[str, tuple[int, bool]]:
         state: dict[str, tuple[int, bool]] = {}
         for kind, eid, ver in self.valid.values():
+            if kind == "ledger.append":
+                continue
             if eid not in state or ver > state[eid][0]:
                 state[eid] = (ver, kind == "entity.delete")
         return state
@@ -188,14 +235,36 @@ def queue_depth(sqs: Any, queue_url: str) -> int:
     return int(a["ApproximateNumberOfMessages"]) + int(a["ApproximateNumberOfMessagesNotVisible"])
 
 
+async def ledger_rows(dsn: str) -> list[asyncpg.Record]:
+    """The ledger in commit order within each group (ids are taken in insertion order)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return list(await conn.fetch("SELECT request_id, grp, seq FROM chaos_ledger ORDER BY id"))
+    finally:
+        await conn.close()
+
+
+def check_ledger(rows: list[asyncpg.Record], expected: dict[str, tuple[str, int]]) -> None:
+    """Each ledger request's effect landed exactly once, with its own payload."""
+    counts = Counter(r["request_id"] for r in rows)
+    doubled = {rid: n for rid, n in counts.items() if n > 1}
+    assert not doubled, f"effects applied more than once: {dict(list(doubled.items())[:5])}"
+    assert set(counts) == set(expected), (
+        f"missing={sorted(set(expected) - set(counts))[:5]} "
+        f"extra={sorted(set(counts) - set(expected))[:5]}")
+    wrong = [r["request_id"] for r in rows if (r["grp"], r["seq"]) != expected[r["request_id"]]]
+    assert not wrong, f"ledger rows with another request's payload: {wrong[:5]}"
+
+
 async def check_invariants(dsn: str, w: Workload, sqs: Any, queue_url: str) -> dict[str, int]:
-    """Every valid request_id exactly one COMPLETED row, none IN_PROGRESS, entities equal the
-    replayed state, every poison body stored once byte for byte, queue empty."""
+    """Every valid request_id exactly one COMPLETED row, none IN_PROGRESS, each counting
+    effect (ledger row) exactly once, entities equal the replayed state, every poison body
+    stored once byte for byte, queue empty."""
+    check_ledger(await ledger_rows(dsn), w.ledger_entries())
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch("SELECT request_id, status FROM modifications")
         statuses = {r["request_id"]: r["status"] for r in rows}
-        assert len(rows) == len(statuses)
         assert set(statuses) == set(w.valid), (
             f"missing={sorted(set(w.valid) - set(statuses))[:5]} "
             f"extra={sorted(set(statuses) - set(w.valid))[:5]}")
@@ -220,7 +289,7 @@ async def check_invariants(dsn: str, w: Workload, sqs: Any, queue_url: str) -> d
         await conn.close()
     assert queue_depth(sqs, queue_url) == 0
     return {"completed": len(statuses), "entities": len(ents), "poison": len(w.poison),
-            "reused": len(w.reused)}
+            "reused": len(w.reused), "ledger": len(w.ledger_entries())}
 
 
 def wait_drained(sqs: Any, queue_url: str, daemons: list[Daemon], timeout: float = 120) -> None:
@@ -240,6 +309,7 @@ def daemon_env(dsn: str, queue_url: str, endpoint: str, **extra: str) -> dict[st
         "INGEST_RETRY_BASE_SECONDS": "1", "INGEST_CONTENTION_DELAY": "2",
         "INGEST_GC_INTERVAL": "1", "INGEST_WORKER_LEASE": "4",
         "INGEST_QUEUE_ATTRIBUTES_INTERVAL": "1",
+        "INGEST_HANDLERS": CHAOS_HANDLERS, "PYTHONPATH": str(REPO),
         "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
         **extra,
     }

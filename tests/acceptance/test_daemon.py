@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import asyncpg
 
 from tests.acceptance.harness import (
+    REPO,
     Daemon,
     Workload,
     check_invariants,
@@ -23,7 +26,8 @@ async def test_daemon_ingests_exactly_once_and_stops_cleanly(
     sqs_client: Any, sqs_endpoint: str, queue_url: str, database_url: str, tmp_path: Path
 ) -> None:
     w = Workload(seed=1)
-    send_all(sqs_client, queue_url, w.bodies(300))
+    bodies = w.bodies(300)
+    send_all(sqs_client, queue_url, bodies)
     d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint), tmp_path).start()
     try:
         d.wait_ready()
@@ -31,8 +35,20 @@ async def test_daemon_ingests_exactly_once_and_stops_cleanly(
         # Reused keys go in once their originals are on record.
         send_all(sqs_client, queue_url, w.reuse(sorted(w.valid)[:15]))
         wait_drained(sqs_client, queue_url, [d])
+        sent = len(bodies) + 15
+        dead = len(w.poison) + 15
+        outcomes = {o: d.metric("sqs_ingest_messages_processed_total", outcome=o)
+                    for o in ("completed", "dead_lettered", "duplicate", "retried")}
         received = d.metric("sqs_ingest_messages_received_total")
-        assert received >= 300
+        # Every request completes once, every poison/reused body is dead-lettered once.
+        assert (outcomes["completed"], outcomes["dead_lettered"], outcomes["retried"]) == (
+            300, dead, 0), outcomes
+        # Each delivery beyond the first of a request_id is acked as a duplicate. The
+        # emulator (like SQS) may deliver a message twice; only such extra deliveries may
+        # add duplicates beyond the ones sent.
+        extra_deliveries = received - sent
+        assert 0 <= outcomes["duplicate"] - (sent - 300 - dead) <= extra_deliveries, (
+            outcomes, received, sent)
         d.signal(signal.SIGTERM)
         assert d.wait(30) == 0, d.logs()
     finally:
@@ -52,8 +68,6 @@ async def test_daemon_ingests_exactly_once_and_stops_cleanly(
 async def test_json_logs_carry_message_and_request_ids(
     sqs_client: Any, sqs_endpoint: str, queue_url: str, database_url: str, tmp_path: Path
 ) -> None:
-    import json
-
     send_all(sqs_client, queue_url, ['{"request_id": "r-x", "type": "nope", "payload": {}}'])
     d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint,
                           INGEST_DATABASE_URL=database_url.replace("postgres@", "postgres:hunter2@")),
@@ -69,13 +83,62 @@ async def test_json_logs_carry_message_and_request_ids(
     assert "hunter2" not in d.full_logs()
 
 
+STARTUP_GATE = '''
+"""Imported through INGEST_HANDLERS, i.e. during start-up before the event loop runs:
+holds the process there until the test lets it go (bounded)."""
+import os
+import pathlib
+import time
+
+GATE = pathlib.Path(os.environ["TEST_GATE_DIR"])
+(GATE / "importing").touch()
+deadline = time.monotonic() + 30
+while not (GATE / "release").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+'''
+
+
 def test_sigterm_during_startup_still_exits_0(
     sqs_endpoint: str, queue_url: str, database_url: str, tmp_path: Path
 ) -> None:
-    d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint), tmp_path).start()
-    wait_until(lambda: (tmp_path / "daemon.1.log").exists(), 10, "process spawned")
-    import time
+    """SIGTERM while the process is provably inside start-up (importing INGEST_HANDLERS,
+    before the event loop and its signal handlers exist): it still stops cleanly, exit 0."""
+    mods, gate = tmp_path / "mods", tmp_path / "gate"
+    mods.mkdir()
+    gate.mkdir()
+    (mods / "startup_gate.py").write_text(STARTUP_GATE)
+    d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint,
+                          INGEST_HANDLERS="startup_gate", TEST_GATE_DIR=str(gate),
+                          PYTHONPATH=os.pathsep.join([str(mods), str(REPO)])), tmp_path).start()
+    try:
+        wait_until(lambda: (gate / "importing").exists() or d.exited(), 30, "start-up reached")
+        assert not d.exited(), d.logs()
+        assert not d.ready()  # nothing listening yet: this is start-up
+        d.signal(signal.SIGTERM)
+        (gate / "release").touch()
+        assert d.wait(30) == 0, d.logs()
+    finally:
+        (gate / "release").touch()
+        if not d.exited():
+            d.kill9()
 
-    time.sleep(0.3)  # inside imports / connecting: before the event loop is up
-    d.signal(signal.SIGTERM)
-    assert d.wait(30) == 0, d.logs()
+
+def test_sigterm_while_waiting_for_the_database_exits_0(
+    sqs_endpoint: str, queue_url: str, tmp_path: Path
+) -> None:
+    """Start-up with the database unreachable: the daemon waits (not ready, no crash loop)
+    and a SIGTERM in that phase stops it cleanly."""
+    from tests.servers import free_port
+
+    dsn = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"  # nothing listens there
+    d = Daemon(daemon_env(dsn, queue_url, sqs_endpoint), tmp_path).start()
+    try:
+        wait_until(lambda: "database_unavailable" in d.full_logs() or d.exited(), 30,
+                   "start-up retrying the database")
+        status, body = d.get("/readyz")
+        assert (status, json.loads(body)["phase"]) == (503, "starting"), body
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0, d.logs()
+    finally:
+        if not d.exited():
+            d.kill9()

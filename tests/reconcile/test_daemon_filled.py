@@ -48,7 +48,7 @@ async def run(primary: str, peer: str) -> int:
 async def test_daemon_filled_databases_reconcile_clean_then_drift_is_found(
     sqs_client: Any, sqs_endpoint: str, database_url: str, peer_url: str
 ) -> None:
-    w = Workload(seed=21, entities=15)
+    w = Workload(seed=21, entities=15, ledger_share=0)  # in-process worker: entity types only
     bodies = w.bodies(120, prefix="rc")
     await fill(sqs_client, sqs_endpoint, database_url, bodies)
     await fill(sqs_client, sqs_endpoint, peer_url, bodies)
