@@ -40,6 +40,8 @@ DISCREPANCY_SCHEMA = (
 
 UPSERT = "entity.upsert"
 DELETE = "entity.delete"
+#: The entity columns compared between ``entities`` and the state replayed from modifications.
+_ENTITY_FIELDS = ("version", "deleted", "data_md5", "request_id")
 
 
 @dataclass(frozen=True)
@@ -121,71 +123,92 @@ def compare_databases(
     joined = p.join(q, F.col("p_request_id") == F.col("q_request_id"), "full_outer").where(
         _in_window(F.col("p_received_at"), window) | _in_window(F.col("q_received_at"), window)
     )
-    p_present, q_present = F.col("p_id").isNotNull(), F.col("q_id").isNotNull()
-    p_settled = F.col("p_received_at") < F.lit(inflight_cutoff)
-    q_settled = F.col("q_received_at") < F.lit(inflight_cutoff)
+    sides = _Sides(window, inflight_cutoff, peer_label)
+    return union_discrepancies(
+        [
+            sides.missing(joined, have="p", lack="q"),
+            sides.missing(joined, have="q", lack="p"),
+            *sides.mismatches(joined),
+        ]
+    )
 
-    def side(prefix: str) -> Column:
-        return F.struct(
-            F.col(f"{prefix}_status").alias("status"),
-            F.col(f"{prefix}_request_type").alias("request_type"),
-            F.col(f"{prefix}_received_at").alias("received_at"),
+
+@dataclass(frozen=True)
+class _Sides:
+    """The cross-database checks over a ``p_``/``q_`` (primary/peer) full outer join."""
+
+    window: Window
+    inflight_cutoff: datetime
+    peer_label: str
+
+    def settled(self, prefix: str) -> Column:
+        from pyspark.sql import functions as F
+
+        return F.col(f"{prefix}_received_at") < F.lit(self.inflight_cutoff)
+
+    def missing(self, joined: DataFrame, *, have: str, lack: str) -> DataFrame:
+        """Requests only side ``have`` holds, received in the window and settled there."""
+        from pyspark.sql import functions as F
+
+        label = {"p": "primary", "q": self.peer_label}
+        kind = "missing_in_peer" if lack == "q" else "missing_in_primary"
+        return _discrepancy(
+            joined.where(
+                F.col(f"{have}_id").isNotNull()
+                & ~F.col(f"{lack}_id").isNotNull()
+                & _in_window(F.col(f"{have}_received_at"), self.window)
+                & self.settled(have)
+            ),
+            kind,
+            F.col(f"{have}_request_id"),
+            None,
+            self.peer_label,
+            F.struct(
+                F.lit(label[have]).alias("present_in"),
+                F.lit(label[lack]).alias("missing_in"),
+                _side(have).alias("primary" if have == "p" else "peer"),
+            ),
         )
 
-    missing_in_peer = _discrepancy(
-        joined.where(
-            p_present & ~q_present & _in_window(F.col("p_received_at"), window) & p_settled
-        ),
-        "missing_in_peer",
-        F.col("p_request_id"),
-        None,
-        peer_label,
-        F.struct(
-            F.lit("primary").alias("present_in"),
-            F.lit(peer_label).alias("missing_in"),
-            side("p").alias("primary"),
-        ),
-    )
-    missing_in_primary = _discrepancy(
-        joined.where(
-            q_present & ~p_present & _in_window(F.col("q_received_at"), window) & q_settled
-        ),
-        "missing_in_primary",
-        F.col("q_request_id"),
-        None,
-        peer_label,
-        F.struct(
-            F.lit(peer_label).alias("present_in"),
-            F.lit("primary").alias("missing_in"),
-            side("q").alias("peer"),
-        ),
-    )
-    both = joined.where(p_present & q_present)
-    # A claim younger than the threshold is simply still being applied on that side.
-    in_progress_is_settled = F.when(F.col("p_status") == "IN_PROGRESS", p_settled).otherwise(
-        q_settled
-    )
-    status_mismatch = _discrepancy(
-        both.where((F.col("p_status") != F.col("q_status")) & in_progress_is_settled),
-        "status_mismatch",
-        F.col("p_request_id"),
-        None,
-        peer_label,
-        F.struct(side("p").alias("primary"), side("q").alias("peer")),
-    )
-    payload_mismatch = _discrepancy(
-        both.where(~F.col("p_payload_sha256").eqNullSafe(F.col("q_payload_sha256"))),
-        "payload_mismatch",
-        F.col("p_request_id"),
-        None,
-        peer_label,
-        F.struct(
-            F.col("p_payload_sha256").alias("primary_sha256"),
-            F.col("q_payload_sha256").alias("peer_sha256"),
-        ),
-    )
-    return union_discrepancies(
-        [missing_in_peer, missing_in_primary, status_mismatch, payload_mismatch]
+    def mismatches(self, joined: DataFrame) -> list[DataFrame]:
+        """``status_mismatch`` and ``payload_mismatch`` of requests both sides hold."""
+        from pyspark.sql import functions as F
+
+        both = joined.where(F.col("p_id").isNotNull() & F.col("q_id").isNotNull())
+        # A claim younger than the threshold is simply still being applied on that side.
+        in_progress_is_settled = F.when(
+            F.col("p_status") == "IN_PROGRESS", self.settled("p")
+        ).otherwise(self.settled("q"))
+        status_mismatch = _discrepancy(
+            both.where((F.col("p_status") != F.col("q_status")) & in_progress_is_settled),
+            "status_mismatch",
+            F.col("p_request_id"),
+            None,
+            self.peer_label,
+            F.struct(_side("p").alias("primary"), _side("q").alias("peer")),
+        )
+        payload_mismatch = _discrepancy(
+            both.where(~F.col("p_payload_sha256").eqNullSafe(F.col("q_payload_sha256"))),
+            "payload_mismatch",
+            F.col("p_request_id"),
+            None,
+            self.peer_label,
+            F.struct(
+                F.col("p_payload_sha256").alias("primary_sha256"),
+                F.col("q_payload_sha256").alias("peer_sha256"),
+            ),
+        )
+        return [status_mismatch, payload_mismatch]
+
+
+def _side(prefix: str) -> Column:
+    """One side's row as it appears in the details of a cross-database discrepancy."""
+    from pyspark.sql import functions as F
+
+    return F.struct(
+        F.col(f"{prefix}_status").alias("status"),
+        F.col(f"{prefix}_request_type").alias("request_type"),
+        F.col(f"{prefix}_received_at").alias("received_at"),
     )
 
 
@@ -237,25 +260,8 @@ def entity_drift(
     """
     from pyspark.sql import functions as F
 
-    expected = replay_entities(entity_mods)
-    unsettled = (
-        entity_mods.where(F.col("completed_at") >= F.lit(inflight_cutoff))
-        .select("entity_id")
-        .union(entities.where(F.col("updated_at") >= F.lit(inflight_cutoff)).select("entity_id"))
-        .distinct()
-    )
-    fields = ["version", "deleted", "data_md5", "request_id"]
-    e = entities.select(
-        F.col("entity_id").alias("e_entity_id"), *[F.col(c).alias(f"e_{c}") for c in fields]
-    )
-    r = expected.select(
-        F.col("entity_id").alias("r_entity_id"), *[F.col(c).alias(f"r_{c}") for c in fields]
-    )
-    joined = e.join(r, F.col("e_entity_id") == F.col("r_entity_id"), "full_outer").withColumn(
-        "entity_id", F.coalesce("e_entity_id", "r_entity_id")
-    )
-    joined = joined.join(unsettled, "entity_id", "left_anti")
-
+    fields = _ENTITY_FIELDS
+    joined = _settled_states(entities, entity_mods, inflight_cutoff)
     differing = F.array_compact(
         F.array(*[F.when(~F.col(f"e_{c}").eqNullSafe(F.col(f"r_{c}")), F.lit(c)) for c in fields])
     )
@@ -286,6 +292,33 @@ def entity_drift(
             state("e").alias("actual"),
         ),
     )
+
+
+def _settled_states(
+    entities: DataFrame, entity_mods: DataFrame, inflight_cutoff: datetime
+) -> DataFrame:
+    """Per ``entity_id``, the actual (``e_``) and the replayed (``r_``) state side by side,
+    without the entities written or modified after the cutoff."""
+    from pyspark.sql import functions as F
+
+    expected = replay_entities(entity_mods)
+    unsettled = (
+        entity_mods.where(F.col("completed_at") >= F.lit(inflight_cutoff))
+        .select("entity_id")
+        .union(entities.where(F.col("updated_at") >= F.lit(inflight_cutoff)).select("entity_id"))
+        .distinct()
+    )
+    fields = _ENTITY_FIELDS
+    e = entities.select(
+        F.col("entity_id").alias("e_entity_id"), *[F.col(c).alias(f"e_{c}") for c in fields]
+    )
+    r = expected.select(
+        F.col("entity_id").alias("r_entity_id"), *[F.col(c).alias(f"r_{c}") for c in fields]
+    )
+    joined = e.join(r, F.col("e_entity_id") == F.col("r_entity_id"), "full_outer").withColumn(
+        "entity_id", F.coalesce("e_entity_id", "r_entity_id")
+    )
+    return joined.join(unsettled, "entity_id", "left_anti")
 
 
 def union_discrepancies(frames: Iterable[DataFrame]) -> DataFrame:
