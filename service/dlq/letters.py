@@ -98,9 +98,13 @@ async def list_letters(
     since: datetime | None = None,
     until: datetime | None = None,
     include_replayed: bool = False,
-    limit: int = 100,
+    limit: int | None = 100,
+    up_to_id: int | None = None,
 ) -> list[Letter]:
-    rows = await conn.fetch(Q["dlq_list"], reason, since, until, include_replayed, limit)
+    """Rows by id, filtered; no locks taken. ``limit=None``: all of them."""
+    rows = await conn.fetch(
+        Q["dlq_list"], reason, since, until, include_replayed, limit, up_to_id
+    )
     return [Letter.of(r) for r in rows]
 
 
@@ -202,4 +206,4 @@ async def replay_all(
 async def pending(conn: asyncpg.Connection, reason: str | None = None) -> list[Letter]:
     """What ``replay --all`` would send now (no locks taken: for ``--dry-run``)."""
     bound = await conn.fetchval(Q["dlq_max_id"])
-    return [Letter.of(r) for r in await conn.fetch(Q["dlq_pending"], reason, bound)]
+    return await list_letters(conn, reason=reason, limit=None, up_to_id=bound)

@@ -120,7 +120,8 @@ DELETE FROM workers
 
 -- name: dlq_list
 -- Dead letters (`sqs-ingest dlq`). Listing: filters by reason and time; replayed rows
--- only when asked ($4).
+-- only when asked ($4); up to id $6 (what `replay --all` would send: --dry-run). No
+-- locks. A NULL limit ($5) is no limit.
 SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
        received_at, replayed_at
   FROM dead_letters
@@ -128,6 +129,7 @@ SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receiv
    AND ($2::timestamptz IS NULL OR received_at >= $2)
    AND ($3::timestamptz IS NULL OR received_at < $3)
    AND ($4::boolean OR replayed_at IS NULL)
+   AND ($6::bigint IS NULL OR id <= $6)
  ORDER BY id
  LIMIT $5
 
@@ -157,16 +159,6 @@ SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receiv
  ORDER BY id
  LIMIT $3
    FOR UPDATE SKIP LOCKED
-
--- name: dlq_pending
--- What `replay --all` would send now, without locks (for --dry-run).
-SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
-       received_at, replayed_at
-  FROM dead_letters
- WHERE replayed_at IS NULL
-   AND ($1::text IS NULL OR reason = $1)
-   AND ($2::bigint IS NULL OR id <= $2)
- ORDER BY id
 
 -- name: dlq_max_id
 SELECT max(id) FROM dead_letters
