@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import asyncpg
 import structlog
@@ -12,6 +14,7 @@ from service import metrics
 from service.errors import TransientError
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.migrate import SchemaBehind, check_schema
+from service.retry import Backoff
 from service.settings import Settings, redact_dsn
 from service.sqs import SqsQueue, sqs_client
 from service.store import CONNECTION_ERRORS, Store, create_pool
@@ -20,6 +23,7 @@ from service.worker import EXIT_FATAL, Worker
 log = structlog.get_logger("sqs_ingest.app")
 
 
+T = TypeVar("T")
 _RETRYABLE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, TransientError)
 
 
@@ -42,19 +46,18 @@ class _Startup:
         return self.worker.readiness()
 
 
-async def _retry(what: str, attempt, stop: asyncio.Event):  # type: ignore[no-untyped-def]
+async def _retry(
+    what: str, attempt: Callable[[], Awaitable[T]], stop: asyncio.Event
+) -> T | None:
     """Retry ``attempt()`` with capped exponential backoff until it works or stop is set."""
-    delay = 0.5
+    backoff = Backoff(0.5, 10.0)
     while True:
         try:
             return await attempt()
         except _RETRYABLE as exc:
-            log.warning(f"{what}_unavailable", error=str(exc), retry_in=round(delay, 2))
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=delay)
+            log.warning(f"{what}_unavailable", error=str(exc), retry_in=round(backoff.delay, 2))
+        if await backoff.wait(stop):
             return None
-        except TimeoutError:
-            delay = min(delay * 2, 10.0)
 
 
 async def run(settings: Settings, early_signals: list[int] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
@@ -12,22 +12,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from service.errors import AckFailed, TransientError
 from service.messages import Received
+from service.seams import QueueSeam
+
+__all__ = ["QueueSeam", "SqsQueue", "sqs_client"]
 
 RECEIVE_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId"]
-
-
-class QueueSeam(Protocol):
-    async def receive(
-        self, max_messages: int, wait_seconds: int, visibility_timeout: int | None
-    ) -> list[Received]: ...
-
-    async def delete_batch(self, messages: Sequence[Received]) -> None: ...
-
-    async def change_visibility_batch(
-        self, changes: Sequence[tuple[Received, int]]
-    ) -> list[str]: ...
-
-    async def attributes(self) -> dict[str, str]: ...
 
 
 class SqsQueue:

@@ -1,22 +1,39 @@
-"""The database seam: claim, complete, dead-letter, release, heartbeats and GC (asyncpg)."""
+"""The database seam: claim, complete, dead-letter, release, heartbeats and GC (asyncpg).
+Every statement is named in ``sql/queries.sql``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import asyncpg
 import orjson
 
 from service.errors import DatabaseUnavailable
-from service.messages import Message, Poison
+from service.messages import Message
+from service.seams import (
+    ApplyResult,
+    BatchCall,
+    Batching,
+    BatchKey,
+    ClaimResult,
+    DeadLetter,
+    HandlerCall,
+    StoreSeam,
+)
 from service.sql import queries
+
+__all__ = [
+    "CONNECTION_ERRORS", "DB_ERRORS", "ApplyResult", "BatchCall", "BatchKey", "ClaimResult",
+    "DeadLetter", "HandlerCall", "Store", "StoreSeam", "claim", "create_pool",
+]
 
 Q = queries()
 
@@ -31,91 +48,37 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.TooManyConnectionsError,
 )
 
+#: What the worker treats as "the database call failed" (outage or server-side error).
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable, asyncpg.PostgresError, *CONNECTION_ERRORS
+)
 
-@dataclass(frozen=True, slots=True)
-class ClaimResult:
-    request_id: str
-    claimed: bool
-    status: str | None  # of the existing row, when not claimed and visible
-    request_type: str | None
-    payload_sha256: str | None
-    owner: str | None
-    failures: int
-    dead_lettered: bool = False  # this SQS message is already in dead_letters
+#: Raised inside a handler by PostgreSQL itself, not by the handler's logic.
+RETRY_TRANSACTION: tuple[type[BaseException], ...] = (
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+    asyncpg.LockNotAvailableError,
+)
 
-
-@dataclass(slots=True)
-class ApplyResult:
-    completed: list[tuple[Message, dict[str, Any] | None]] = field(default_factory=list)
-    failed: list[tuple[Message, BaseException]] = field(default_factory=list)
-    lost: list[Message] = field(default_factory=list)  # claim collected by GC: not ours
-    blocked: list[Message] = field(default_factory=list)  # FIFO: behind a failure in its group
-    committed_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    sqs_message_id: str
-    body: str
-    reason: str
-    error: str | None
-    request_id: str | None
-    request_type: str | None
-    receive_count: int | None
-
-    @classmethod
-    def of_poison(cls, p: Poison) -> DeadLetter:
-        return cls(
-            p.raw.message_id, p.raw.body, p.reason, p.error, p.request_id, p.type,
-            p.raw.receive_count,
-        )
-
-    @classmethod
-    def of_message(cls, m: Message, reason: str, error: str) -> DeadLetter:
-        return cls(
-            m.raw.message_id, m.raw.body, reason, error, m.request_id, m.type,
-            m.raw.receive_count,
-        )
-
-
-HandlerCall = Callable[[Message, asyncpg.Connection], Awaitable[dict[str, Any] | None]]
-#: Runs several messages' handlers at once; returns their results in order, or None when
-#: these messages cannot go as one batch (then each runs on its own).
-BatchCall = Callable[
-    [list[Message], asyncpg.Connection], Awaitable[list[dict[str, Any] | None] | None]
-]
-#: Which messages may share one batch call (same key), None = never batched.
-BatchKey = Callable[[Message], object]
-
-
-class StoreSeam(Protocol):
-    worker_id: str
-
-    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]: ...
-    async def apply(
-        self, messages: Sequence[Message], call: HandlerCall, fifo: bool
-    ) -> ApplyResult: ...
-    async def dead_letter(self, letters: Sequence[DeadLetter]) -> None: ...
-    async def release(self, messages: Sequence[Message]) -> None: ...
-    async def record_failures(
-        self, failures: Sequence[tuple[Message, str]], max_failures: int
-    ) -> dict[str, int]: ...
+#: Conflicts (deadlock, serialization, lock not available) rerun as is this many times;
+#: after that, one by one, and a conflict is the failure of the message that hit it.
+MAX_RERUNS = 3
 
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-#: What the worker treats as "the database call failed" (outage or server-side error).
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    DatabaseUnavailable, asyncpg.PostgresError, *CONNECTION_ERRORS
-)
-
-
-def _wrap_connection_errors(exc: BaseException) -> BaseException:
-    if isinstance(exc, CONNECTION_ERRORS):
-        return DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
-    return exc
+@contextlib.asynccontextmanager
+async def connection(
+    pool: asyncpg.Pool, acquire_timeout: float | None = None
+) -> AsyncIterator[Any]:
+    """A pooled connection; a lost database surfaces as DatabaseUnavailable."""
+    try:
+        async with pool.acquire(timeout=acquire_timeout) as conn:
+            yield conn
+    except CONNECTION_ERRORS as exc:
+        raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}") from exc
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -165,24 +128,20 @@ class Store:
     # -- workers -----------------------------------------------------------------------
 
     async def register_worker(self, name: str) -> None:
-        async with self.control.acquire() as conn:
+        async with connection(self.control) as conn:
             await conn.execute(
                 Q["register_worker"], self.worker_id, name, socket.gethostname(), os.getpid()
             )
 
     async def heartbeat(self) -> bool:
         """False when this worker was marked stopped (its claims may be collected)."""
-        async with self.control.acquire() as conn:
+        async with connection(self.control) as conn:
             return await conn.fetchval(Q["heartbeat"], self.worker_id) is not None
 
     async def stop_worker(self) -> int:
         """Release every claim still held and mark this worker stopped."""
-        async with self.control.acquire() as conn, conn.transaction():
-            released = await conn.fetch(
-                "DELETE FROM modifications WHERE owner = $1 AND status = 'IN_PROGRESS'"
-                " RETURNING request_id",
-                self.worker_id,
-            )
+        async with connection(self.control) as conn, conn.transaction():
+            released = await conn.fetch(Q["release_all"], self.worker_id)
             await conn.execute(Q["stop_worker"], self.worker_id)
         return len(released)
 
@@ -190,7 +149,7 @@ class Store:
         self, lease_seconds: float, name: str | None = None, started_before: datetime | None = None
     ) -> list[asyncpg.Record]:
         """Release claims of dead workers. Never touches a claim of a live worker."""
-        async with self.control.acquire() as conn:
+        async with connection(self.control) as conn:
             rows = await conn.fetch(
                 Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
             )
@@ -198,32 +157,33 @@ class Store:
             return list(rows)
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
-        async with self.control.acquire() as conn:
+        async with connection(self.control) as conn:
             rows = await conn.fetch(Q["gc_own_leaks"], self.worker_id, list(holding))
             return [r["request_id"] for r in rows]
 
     async def ping(self) -> None:
-        try:
-            async with self.control.acquire(timeout=5) as conn:
-                await conn.fetchval("SELECT 1")
-        except CONNECTION_ERRORS as exc:
-            raise _wrap_connection_errors(exc) from exc
+        async with connection(self.control, acquire_timeout=5) as conn:
+            await conn.fetchval(Q["ping"])
+
+    async def check_schema(self) -> None:
+        """Raise SchemaBehind when the database lacks a migration this code needs."""
+        from service.migrate import check_schema
+
+        async with connection(self.control, acquire_timeout=5) as conn:
+            await check_schema(conn)
 
     # -- the pipeline ------------------------------------------------------------------
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
-        try:
-            async with self.pool.acquire() as conn:
-                return await claim(conn, messages, self.worker_id)
-        except CONNECTION_ERRORS as exc:
-            raise _wrap_connection_errors(exc) from exc
+        async with connection(self.pool) as conn:
+            return await claim(conn, messages, self.worker_id)
 
     async def apply(
         self,
         messages: Sequence[Message],
         call: HandlerCall,
         fifo: bool = False,
-        batch: tuple[BatchKey, BatchCall] | None = None,
+        batch: Batching | None = None,
     ) -> ApplyResult:
         """Run handlers and mark COMPLETED in one transaction, fenced on ``owner``.
 
@@ -239,103 +199,39 @@ class Store:
         """
         result = ApplyResult()
         todo = list(messages)
-        order = {id(m): i for i, m in enumerate(messages)}
-        conflicts = 0
+        reruns = 0
         singly = fifo or batch is None
-        try:
-            async with self.pool.acquire() as conn:
-                while todo:
-                    failed_at: tuple[Message, BaseException] | None = None
-                    try:
-                        async with conn.transaction():
-                            held = {
-                                r["request_id"]
-                                for r in await conn.fetch(
-                                    Q["fence"], [m.request_id for m in todo], self.worker_id
-                                )
-                            }
-                            live, lost, blocked = _split_fenced(todo, held, fifo)
-                            results: dict[int, str | None] = {}
-                            one_by_one = live
-                            if not singly and batch is not None:
-                                one_by_one = await _run_batched(live, batch, conn, results)
-                            for m in one_by_one:
-                                try:
-                                    results[id(m)] = _encode_result(await call(m, conn))
-                                except Exception as exc:
-                                    if _connection_broken(conn, exc):
-                                        raise DatabaseUnavailable(
-                                            f"connection lost in a handler: {exc!r}") from exc
-                                    if isinstance(exc, RETRY_TRANSACTION) and conflicts < 3:
-                                        raise _Rerun() from exc
-                                    # Also a conflict that keeps coming back in this one
-                                    # message's handler (its own NOWAIT/lock_timeout): blame it.
-                                    failed_at = (m, exc)
-                                    raise _Rollback() from exc
-                            outputs = [results[id(m)] for m in live]
-                            if live:
-                                done = await conn.fetch(
-                                    Q["complete"], [m.request_id for m in live], outputs,
-                                    self.worker_id,
-                                )
-                                if len(done) != len(live):
-                                    # Cannot happen while the fence locks hold; be loud if it does.
-                                    raise RuntimeError("fenced completion lost rows under lock")
-                                retried = [m.request_id for m in live if m.failures > 0]
-                                if retried:
-                                    await conn.execute(Q["clear_attempts"], retried)
-                    except _Singly:
-                        singly = True  # find the failing message one by one
-                        continue
-                    except _Rerun:
-                        conflicts += 1
-                        if conflicts >= 3:
-                            # From now on one by one, and a conflict in a handler is that
-                            # message's failure: the loop always ends.
-                            singly = True
-                        continue
-                    except _Rollback:
-                        assert failed_at is not None
-                        bad, err = failed_at
-                        result.failed.append((bad, err))
-                        todo.remove(bad)
-                        if fifo and bad.raw.group_id is not None:
-                            after = [m for m in todo if m.raw.group_id == bad.raw.group_id
-                                     and order[id(m)] > order[id(bad)]]
-                            for m in after:
-                                todo.remove(m)
-                            result.blocked.extend(after)
-                        continue
-                    result.completed.extend(
-                        (m, orjson.loads(o) if o is not None else None)
-                        for m, o in zip(live, outputs, strict=True)
-                    )
-                    result.lost.extend(lost)
-                    result.blocked.extend(blocked)
-                    result.committed_at = time.time()
-                    break
-        except CONNECTION_ERRORS as exc:
-            raise _wrap_connection_errors(exc) from exc
-        return result
+        async with connection(self.pool) as conn:
+            while True:
+                attempt = _Attempt(conn, self.worker_id, call, None if singly else batch,
+                                   fifo, may_rerun=reruns < MAX_RERUNS)
+                step = await attempt.run(todo)
+                if isinstance(step, _Committed):
+                    step.into(result)
+                    return result
+                if isinstance(step, _Failed):
+                    result.failed.append((step.message, step.error))
+                    result.blocked.extend(_drop_with_followers(todo, step.message, fifo))
+                elif isinstance(step, _Rerun):
+                    reruns += 1
+                    # From now on one by one: a conflict in a handler is that message's
+                    # failure, so the loop always ends.
+                    singly = singly or reruns >= MAX_RERUNS
+                else:
+                    singly = True  # a batch call failed: find the failing message
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         if not letters:
             return
-        try:
-            async with self.pool.acquire() as conn:
-                await conn.execute(Q["dead_letter"], *_dead_letter_args(letters))
-        except CONNECTION_ERRORS as exc:
-            raise _wrap_connection_errors(exc) from exc
+        async with connection(self.pool) as conn:
+            await conn.execute(Q["dead_letter"], *_dead_letter_args(letters))
 
     async def release(self, messages: Sequence[Message]) -> None:
         """Give back this worker's claims made for exactly these SQS messages."""
         if not messages:
             return
-        try:
-            async with self.pool.acquire() as conn:
-                await conn.execute(Q["release"], *_release_args(messages, self.worker_id))
-        except CONNECTION_ERRORS as exc:
-            raise _wrap_connection_errors(exc) from exc
+        async with connection(self.pool) as conn:
+            await conn.execute(Q["release"], *_release_args(messages, self.worker_id))
 
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int
@@ -348,25 +244,20 @@ class Store:
         if not failures:
             return {}
         ids = [m.request_id for m, _ in failures]
-        try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                await conn.execute(Q["release"], *_release_args([m for m, _ in failures],
-                                                                self.worker_id))
-                rows = await conn.fetch(Q["record_failures"], ids, [e for _, e in failures])
-                counts = {r["request_id"]: r["failures"] for r in rows}
-                exhausted = [
-                    DeadLetter.of_message(m, "max_receives_exceeded", err)
-                    for m, err in failures
-                    if counts[m.request_id] >= max_failures
-                ]
-                if exhausted:
-                    await conn.execute(Q["dead_letter"], *_dead_letter_args(exhausted))
-                    await conn.execute(
-                        Q["clear_attempts"], [d.request_id for d in exhausted]
-                    )
-                return counts
-        except CONNECTION_ERRORS as exc:
-            raise _wrap_connection_errors(exc) from exc
+        async with connection(self.pool) as conn, conn.transaction():
+            await conn.execute(Q["release"], *_release_args([m for m, _ in failures],
+                                                            self.worker_id))
+            rows = await conn.fetch(Q["record_failures"], ids, [e for _, e in failures])
+            counts: dict[str, int] = {r["request_id"]: r["failures"] for r in rows}
+            exhausted = [
+                DeadLetter.of_message(m, "max_receives_exceeded", err)
+                for m, err in failures
+                if counts[m.request_id] >= max_failures
+            ]
+            if exhausted:
+                await conn.execute(Q["dead_letter"], *_dead_letter_args(exhausted))
+                await conn.execute(Q["clear_attempts"], [d.request_id for d in exhausted])
+            return counts
 
 
 async def claim(
@@ -397,68 +288,153 @@ async def claim(
     }
 
 
-class _Rollback(Exception):
-    """Internal: roll the completing transaction back after a handler failed."""
+# -- one attempt of the completing transaction -------------------------------------------
 
 
-class _Singly(Exception):
-    """Internal: a batch call failed; rerun the transaction one message at a time."""
+@dataclass(slots=True)
+class _Committed:
+    live: list[Message]
+    outputs: list[str | None]
+    lost: list[Message]
+    blocked: list[Message]
+
+    def into(self, result: ApplyResult) -> None:
+        result.completed.extend(
+            (m, orjson.loads(o) if o is not None else None)
+            for m, o in zip(self.live, self.outputs, strict=True)
+        )
+        result.lost.extend(self.lost)
+        result.blocked.extend(self.blocked)
+        result.committed_at = time.time()
 
 
-async def _run_batched(
-    live: list[Message],
-    batch: tuple[BatchKey, BatchCall],
-    conn: asyncpg.Connection,
-    results: dict[int, str | None],
-) -> list[Message]:
-    """Run the batchable groups; return the messages still to run one by one."""
-    key_of, call_many = batch
-    groups: dict[object, list[Message]] = {}
-    rest: list[Message] = []
-    for m in live:
-        key = key_of(m)
-        if key is None:
-            rest.append(m)
-        else:
-            groups.setdefault(key, []).append(m)
-    for group in groups.values():
-        if len(group) == 1:
-            rest.extend(group)
-            continue
+@dataclass(slots=True)
+class _Failed:
+    message: Message
+    error: BaseException
+
+
+class _Rerun:
+    """Roll back and run the same transaction again (deadlock, serialization)."""
+
+
+class _OneByOne:
+    """A batch call failed: roll back and rerun one message at a time."""
+
+
+_Step = _Committed | _Failed | _Rerun | _OneByOne
+
+
+class _Abort(Exception):
+    """Leaves the transaction block (rolling it back) carrying what happens next."""
+
+    def __init__(self, step: _Step) -> None:
+        self.step = step
+
+
+class _Attempt:
+    """One run of the completing transaction over ``todo``; says what happened."""
+
+    def __init__(
+        self, conn: Any, owner: str, call: HandlerCall, batch: Batching | None,
+        fifo: bool, may_rerun: bool,
+    ) -> None:
+        self.conn = conn
+        self.owner = owner
+        self.call = call
+        self.batch = batch
+        self.fifo = fifo
+        self.may_rerun = may_rerun
+
+    async def run(self, todo: list[Message]) -> _Step:
         try:
-            outs = await call_many(group, conn)
-            if outs is None:
+            async with self.conn.transaction():
+                return await self._complete(todo)
+        except _Abort as abort:
+            return abort.step
+
+    async def _complete(self, todo: list[Message]) -> _Committed:
+        held = {r["request_id"] for r in await self.conn.fetch(
+            Q["fence"], [m.request_id for m in todo], self.owner)}
+        live, lost, blocked = _split_fenced(todo, held, self.fifo)
+        results = await self._handlers(live)
+        outputs = [results[id(m)] for m in live]
+        if live:
+            done = await self.conn.fetch(
+                Q["complete"], [m.request_id for m in live], outputs, self.owner)
+            if len(done) != len(live):
+                # Cannot happen while the fence locks hold; be loud if it does.
+                raise RuntimeError("fenced completion lost rows under lock")
+            retried = [m.request_id for m in live if m.failures > 0]
+            if retried:
+                await self.conn.execute(Q["clear_attempts"], retried)
+        return _Committed(live, outputs, lost, blocked)
+
+    async def _handlers(self, live: list[Message]) -> dict[int, str | None]:
+        results: dict[int, str | None] = {}
+        one_by_one = live
+        if self.batch is not None:
+            one_by_one = await self._batched(live, self.batch, results)
+        for m in one_by_one:
+            try:
+                results[id(m)] = _encode_result(await self.call(m, self.conn))
+            except Exception as exc:
+                self._raise_if_outage(exc, "a handler")
+                if isinstance(exc, RETRY_TRANSACTION) and self.may_rerun:
+                    raise _Abort(_Rerun()) from exc
+                # Also a conflict that keeps coming back in this one message's handler
+                # (its own NOWAIT/lock_timeout): blame it.
+                raise _Abort(_Failed(m, exc)) from exc
+        return results
+
+    async def _batched(
+        self, live: list[Message], batch: Batching, results: dict[int, str | None]
+    ) -> list[Message]:
+        """Run the batchable groups; return the messages still to run one by one."""
+        key_of, call_many = batch
+        groups: dict[object, list[Message]] = {}
+        rest: list[Message] = []
+        for m in live:
+            key = key_of(m)
+            (rest if key is None else groups.setdefault(key, [])).append(m)
+        for group in groups.values():
+            if len(group) == 1:
                 rest.extend(group)
                 continue
-            for m, out in zip(group, outs, strict=True):
-                results[id(m)] = _encode_result(out)
-        except Exception as exc:
-            if _connection_broken(conn, exc):
-                raise DatabaseUnavailable(f"connection lost in a batch handler: {exc!r}") from exc
-            if isinstance(exc, RETRY_TRANSACTION):
-                raise _Rerun() from exc
-            raise _Singly() from exc
-    return rest
+            try:
+                outs = await call_many(group, self.conn)
+                if outs is None:
+                    rest.extend(group)
+                    continue
+                for m, out in zip(group, outs, strict=True):
+                    results[id(m)] = _encode_result(out)
+            except Exception as exc:
+                self._raise_if_outage(exc, "a batch handler")
+                raise _Abort(_Rerun() if isinstance(exc, RETRY_TRANSACTION)
+                             else _OneByOne()) from exc
+        return rest
+
+    def _raise_if_outage(self, exc: BaseException, where: str) -> None:
+        """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
+        failure; only a connection that is actually gone is a database outage."""
+        broken = isinstance(
+            exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError
+        ) or self.conn.is_closed()
+        if broken:
+            raise DatabaseUnavailable(f"connection lost in {where}: {exc!r}") from exc
 
 
-class _Rerun(Exception):
-    """Internal: roll back and run the same transaction again (deadlock, serialization)."""
-
-
-#: Raised inside a handler by PostgreSQL itself, not by the handler's logic.
-RETRY_TRANSACTION: tuple[type[BaseException], ...] = (
-    asyncpg.DeadlockDetectedError,
-    asyncpg.SerializationError,
-    asyncpg.LockNotAvailableError,
-)
-
-
-def _connection_broken(conn: asyncpg.Connection, exc: BaseException) -> bool:
-    """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
-    failure; only a connection that is actually gone is a database outage."""
-    if isinstance(exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError):
-        return True
-    return bool(conn.is_closed())
+def _drop_with_followers(todo: list[Message], bad: Message, fifo: bool) -> list[Message]:
+    """Take a failed message out of ``todo``; on FIFO also the later ones of its group
+    (returned: they are blocked behind it)."""
+    at = todo.index(bad)
+    todo.pop(at)
+    if not fifo or bad.raw.group_id is None:
+        return []
+    after = [m for m in todo[at:] if m.raw.group_id == bad.raw.group_id]
+    for m in after:
+        todo.remove(m)
+    return after
 
 
 def _encode_result(value: Any) -> str | None:

@@ -1,8 +1,9 @@
-"""In-package fakes of the two seams, for unit tests of the worker loop.
+"""In-memory twins of the two seams (``service.seams``), for unit tests of the worker.
 
-``FakeQueue`` keeps SQS semantics that matter to the worker (visibility, receive counts,
-receipt handles, partial batch failures); ``FakeStore`` keeps the claim/complete/
-dead-letter semantics of ``Store`` in memory. Integration tests use the real things.
+``FakeQueue`` keeps the SQS semantics that matter to the worker (visibility, receive
+counts, receipt handles, partial batch failures); ``FakeStore`` keeps the claim/complete/
+dead-letter/GC semantics of ``Store``. Both are typed against the seam protocols, and
+tests/contract runs one suite over the fakes and over the real PostgreSQL store.
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from service.errors import AckFailed, DatabaseUnavailable
 from service.messages import Message, Received
-from service.store import ApplyResult, ClaimResult, DeadLetter, HandlerCall
+from service.seams import (
+    ApplyResult,
+    Batching,
+    ClaimResult,
+    DeadLetter,
+    HandlerCall,
+    QueueSeam,
+    StoreSeam,
+)
 
 
 @dataclass
@@ -118,7 +128,9 @@ class FakeQueue:
 
 
 @dataclass
-class _Row:
+class Row:
+    """One ``modifications`` row of the fake database."""
+
     request_id: str
     type: str
     payload_sha256: str
@@ -129,77 +141,217 @@ class _Row:
 
 
 @dataclass
+class FakeWorker:
+    name: str
+    heartbeat_at: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)
+    stopped: bool = False
+
+
+@dataclass
+class FakeDatabase:
+    """What several ``FakeStore`` workers share: the tables, and whether it is up."""
+
+    rows: dict[str, Row] = field(default_factory=dict)
+    dead: dict[str, DeadLetter] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    workers: dict[str, FakeWorker] = field(default_factory=dict)
+    down: bool = False
+    schema_behind: bool = False
+    schema_checks: int = 0
+
+    def age_worker(self, worker_id: str, seconds: float) -> None:
+        """Make a worker's last heartbeat ``seconds`` older (tests of GC)."""
+        self.workers[worker_id].heartbeat_at -= seconds
+
+
 class FakeStore:
     """In-memory twin of ``Store``. ``conn`` passed to handlers is None."""
 
-    worker_id: str = "fake-worker"
-    rows: dict[str, _Row] = field(default_factory=dict)
-    dead: dict[str, DeadLetter] = field(default_factory=dict)
-    failures: dict[str, int] = field(default_factory=dict)
-    down: bool = False
+    def __init__(self, worker_id: str = "fake-worker", db: FakeDatabase | None = None) -> None:
+        self.worker_id = worker_id
+        self.db = db or FakeDatabase()
+
+    # The worker tests read and steer the shared tables through these.
+    @property
+    def rows(self) -> dict[str, Row]:
+        return self.db.rows
+
+    @property
+    def dead(self) -> dict[str, DeadLetter]:
+        return self.db.dead
+
+    @property
+    def failures(self) -> dict[str, int]:
+        return self.db.failures
+
+    @property
+    def down(self) -> bool:
+        return self.db.down
+
+    @down.setter
+    def down(self, value: bool) -> None:
+        self.db.down = value
 
     def _check(self) -> None:
-        if self.down:
+        if self.db.down:
             raise DatabaseUnavailable("fake database is down")
+
+    def _mine(self, row: Row | None) -> bool:
+        return row is not None and row.owner == self.worker_id and row.status == "IN_PROGRESS"
+
+    # -- workers -----------------------------------------------------------------------
+
+    async def register_worker(self, name: str) -> None:
+        self._check()
+        self.db.workers[self.worker_id] = FakeWorker(name)
+
+    async def heartbeat(self) -> bool:
+        self._check()
+        w = self.db.workers.get(self.worker_id)
+        if w is None or w.stopped:
+            return False
+        w.heartbeat_at = time.monotonic()
+        return True
+
+    async def stop_worker(self) -> int:
+        self._check()
+        mine = [r for r in self.db.rows.values() if self._mine(r)]
+        for r in mine:
+            del self.db.rows[r.request_id]
+        if self.worker_id in self.db.workers:
+            self.db.workers[self.worker_id].stopped = True
+        return len(mine)
+
+    async def ping(self) -> None:
+        self._check()
+
+    async def check_schema(self) -> None:
+        self._check()
+        self.db.schema_checks += 1
+        if self.db.schema_behind:
+            from service.migrate import SchemaBehind
+
+            raise SchemaBehind("fake database schema is behind")
+
+    async def gc(
+        self, lease_seconds: float, name: str | None = None,
+        started_before: datetime | None = None,
+    ) -> list[dict[str, Any]]:
+        self._check()
+        now = time.monotonic()
+        before = started_before.timestamp() if started_before is not None else None
+
+        def dead(owner: str) -> bool:
+            w = self.db.workers.get(owner)
+            if w is None or w.stopped or now - w.heartbeat_at > lease_seconds:
+                return True
+            return (name is not None and w.name == name and before is not None
+                    and w.started_at < before)
+
+        released = [r for r in self.db.rows.values()
+                    if r.status == "IN_PROGRESS" and r.owner != self.worker_id and dead(r.owner)]
+        for r in released:
+            del self.db.rows[r.request_id]
+        return [{"request_id": r.request_id, "owner": r.owner,
+                 "sqs_message_id": r.sqs_message_id} for r in released]
+
+    async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
+        # The real store spares claims younger than 30 s; the fake's claims never age.
+        self._check()
+        return []
+
+    # -- the pipeline ------------------------------------------------------------------
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         self._check()
         out = {}
         for m in messages:
-            row = self.rows.get(m.request_id)
-            if m.raw.message_id in self.dead:
+            row = self.db.rows.get(m.request_id)
+            fails = self.db.failures.get(m.request_id, 0)
+            if m.raw.message_id in self.db.dead:
                 out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
-                                                0, dead_lettered=True)
+                                                fails, dead_lettered=True)
             elif row is None:
-                self.rows[m.request_id] = _Row(m.request_id, m.type, m.payload_sha256,
-                                               "IN_PROGRESS", self.worker_id, m.raw.message_id)
+                self.db.rows[m.request_id] = Row(m.request_id, m.type, m.payload_sha256,
+                                                 "IN_PROGRESS", self.worker_id, m.raw.message_id)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
-                                                self.failures.get(m.request_id, 0))
+                                                fails)
             else:
                 out[m.request_id] = ClaimResult(m.request_id, False, row.status, row.type,
-                                                row.payload_sha256, row.owner,
-                                                self.failures.get(m.request_id, 0))
+                                                row.payload_sha256, row.owner, fails)
         return out
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
-        batch: Any = None,
+        batch: Batching | None = None,
     ) -> ApplyResult:
+        """Handlers one by one (a failure is taken out; FIFO: its group's later messages
+        are blocked). The batch form runs first when given, as in ``Store.apply``."""
         self._check()
         res = ApplyResult(committed_at=time.time())
-        blocked: set[str] = set()
+        live: list[Message] = []
+        stopped: set[str] = set()
         for m in messages:
-            if fifo and m.raw.group_id in blocked:
+            group = m.raw.group_id if fifo else None
+            if group is not None and group in stopped:
+                res.blocked.append(m)
+            elif self._mine(self.db.rows.get(m.request_id)):
+                live.append(m)
+            else:
+                res.lost.append(m)
+                if group is not None:
+                    stopped.add(group)
+        done = await self._batched(live, batch) if batch is not None and not fifo else {}
+        for m in live:
+            if fifo and m.raw.group_id in stopped:
                 res.blocked.append(m)
                 continue
-            row = self.rows.get(m.request_id)
-            if row is None or row.owner != self.worker_id or row.status != "IN_PROGRESS":
-                res.lost.append(m)
-                continue
             try:
-                out = await call(m, None)
+                out = done[id(m)] if id(m) in done else await call(m, None)
             except Exception as exc:
                 res.failed.append((m, exc))
                 if fifo and m.raw.group_id is not None:
-                    blocked.add(m.raw.group_id)
+                    stopped.add(m.raw.group_id)
                 continue
+            row = self.db.rows[m.request_id]
             row.status, row.result = "COMPLETED", out
-            self.failures.pop(m.request_id, None)
+            self.db.failures.pop(m.request_id, None)
             res.completed.append((m, out))
         return res
+
+    async def _batched(
+        self, live: list[Message], batch: Batching
+    ) -> dict[int, dict[str, Any] | None]:
+        key_of, call_many = batch
+        groups: dict[object, list[Message]] = {}
+        for m in live:
+            key = key_of(m)
+            if key is not None:
+                groups.setdefault(key, []).append(m)
+        done: dict[int, dict[str, Any] | None] = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            try:
+                outs = await call_many(group, None)
+            except Exception:
+                continue  # one by one finds the culprit
+            if outs is not None:
+                done.update((id(m), o) for m, o in zip(group, outs, strict=True))
+        return done
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self._check()
         for d in letters:
-            self.dead.setdefault(d.sqs_message_id, d)
+            self.db.dead.setdefault(d.sqs_message_id, d)
 
     async def release(self, messages: Sequence[Message]) -> None:
         self._check()
         for m in messages:
-            row = self.rows.get(m.request_id)
-            if (row and row.owner == self.worker_id and row.status == "IN_PROGRESS"
-                    and row.sqs_message_id == m.raw.message_id):
-                del self.rows[m.request_id]
+            row = self.db.rows.get(m.request_id)
+            if self._mine(row) and row is not None and row.sqs_message_id == m.raw.message_id:
+                del self.db.rows[m.request_id]
 
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int
@@ -208,33 +360,15 @@ class FakeStore:
         await self.release([m for m, _ in failures])
         counts = {}
         for m, err in failures:
-            n = self.failures.get(m.request_id, 0) + 1
-            self.failures[m.request_id] = n
+            n = self.db.failures.get(m.request_id, 0) + 1
+            self.db.failures[m.request_id] = n
             counts[m.request_id] = n
             if n >= max_failures:
                 await self.dead_letter([DeadLetter.of_message(m, "max_receives_exceeded", err)])
-                self.failures.pop(m.request_id)
+                self.db.failures.pop(m.request_id)
         return counts
 
-    async def gc(self, *_: Any) -> list[Any]:
-        self._check()
-        return []
 
-    async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
-        self._check()
-        return []
-
-    async def heartbeat(self) -> bool:
-        self._check()
-        return True
-
-    async def stop_worker(self) -> int:
-        self._check()
-        mine = [r for r in self.rows.values()
-                if r.owner == self.worker_id and r.status == "IN_PROGRESS"]
-        for r in mine:
-            del self.rows[r.request_id]
-        return len(mine)
-
-    async def ping(self) -> None:
-        self._check()
+def _conforms(queue: FakeQueue, store: FakeStore) -> tuple[QueueSeam, StoreSeam]:
+    """mypy checks here that the fakes satisfy the seams the worker is typed against."""
+    return queue, store

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextvars
-
+from service.handlers.context import current_request_id, request_context
 from service.handlers.registry import (
     HandlerSpec,
     Registry,
@@ -12,13 +11,6 @@ from service.handlers.registry import (
     handler,
     load_handler_modules,
 )
-
-_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
-
-
-def current_request_id() -> str:
-    """The ``request_id`` of the message whose handler is running."""
-    return _request_id.get()
 
 
 def load_reference_handlers() -> None:
@@ -34,4 +26,5 @@ __all__ = [
     "handler",
     "load_handler_modules",
     "load_reference_handlers",
+    "request_context",
 ]

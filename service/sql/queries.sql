@@ -78,6 +78,14 @@ RETURNING worker_id
 -- name: stop_worker
 UPDATE workers SET stopped_at = now(), heartbeat_at = now() WHERE worker_id = $1
 
+-- name: release_all
+-- At a clean stop: every claim this worker still holds goes back.
+DELETE FROM modifications WHERE owner = $1 AND status = 'IN_PROGRESS'
+RETURNING request_id
+
+-- name: ping
+SELECT 1
+
 -- name: gc_orphans
 -- Release claims whose owner is dead: heartbeat older than the lease, stopped, unknown,
 -- or an earlier incarnation of a replica with the same explicit name ($3: only passed on

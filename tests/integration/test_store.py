@@ -11,6 +11,7 @@ import pytest
 
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
+from service.handlers.invoke import Invoker
 from service.messages import Message, Received, payload_hash
 from service.store import DeadLetter, Store, claim, create_pool
 
@@ -234,12 +235,11 @@ async def test_registry_entity_handlers_follow_the_version_rule(pool: asyncpg.Po
     from service.handlers import load_reference_handlers
     from service.handlers.registry import default_registry
     from service.messages import parse
-    from service.worker import Worker  # noqa: F401
 
     load_reference_handlers()
     reg: Registry = default_registry
     a = await registered(pool, "w-a")
-    call = _Caller(reg).one
+    call = Invoker(reg).one
 
     import json
 
@@ -354,7 +354,7 @@ async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyn
     from service.messages import parse
 
     load_reference_handlers()
-    worker_like = _Caller(reg)
+    worker_like = CountingInvoker(reg)
     a = await registered(pool, "w-a")
     await db.execute("INSERT INTO entities (entity_id, version, data, request_id)"
                      " VALUES ('x', 5, '{\"old\": 1}', 'seed')")
@@ -371,7 +371,7 @@ async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyn
         m("d1", "entity.delete", {"entity_id": "z", "version": 2}),
     ]
     await a.claim(batch)
-    res = await a.apply(batch, worker_like.one, batch=(worker_like.key, worker_like.many))
+    res = await a.apply(batch, worker_like.one, batch=worker_like.batching)
     assert worker_like.batched == 1
     assert {m.request_id: out for m, out in res.completed} == {
         "u1": {"applied": False}, "u2": {"applied": True}, "d1": {"applied": True}}
@@ -380,35 +380,6 @@ async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyn
             for r in await db.fetch("SELECT * FROM entities")}
     assert rows == {"x": (5, False, {"old": 1}, "seed"), "y": (1, False, {"v": 1}, "u2"),
                     "z": (2, True, None, "d1")}
-
-
-class _Caller:
-    """The worker's handler plumbing, for store-level tests."""
-
-    def __init__(self, reg: Registry) -> None:
-        self.reg = reg
-        self.batched = 0
-
-    def key(self, m: Message) -> object:
-        spec = self.reg.get(m.type)
-        return spec.batch_fn if spec else None
-
-    async def one(self, m: Message, conn: asyncpg.Connection) -> Any:
-        from service.handlers import _request_id
-
-        spec = self.reg.get(m.type)
-        assert spec is not None
-        tok = _request_id.set(m.request_id)
-        try:
-            return await spec.fn(m.payload, conn)
-        finally:
-            _request_id.reset(tok)
-
-    async def many(self, ms: list[Message], conn: asyncpg.Connection) -> Any:
-        spec = self.reg.get(ms[0].type)
-        assert spec is not None and spec.batch_fn is not None
-        self.batched += 1
-        return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
 
 
 async def test_a_conflict_that_keeps_coming_back_blames_its_message(pool: asyncpg.Pool) -> None:
@@ -429,3 +400,13 @@ async def test_a_conflict_that_keeps_coming_back_blames_its_message(pool: asyncp
     assert [m.request_id for m, _ in res.failed] == ["locky"]
     assert sorted(m.request_id for m, _ in res.completed) == ["n1", "n3"]
     assert attempts.count("locky") == 4  # three reruns, then blamed
+
+
+class CountingInvoker(Invoker):
+    """The worker's own handler plumbing, counting its batch calls."""
+
+    batched = 0
+
+    async def many(self, ms: list[Message], conn: Any) -> Any:
+        self.batched += 1
+        return await super().many(ms, conn)

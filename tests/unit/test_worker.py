@@ -56,7 +56,7 @@ class Harness:
     def __init__(self, s: Settings, registry: Registry, queue: FakeQueue) -> None:
         self.queue = queue
         self.store = FakeStore()
-        self.worker = Worker(s, queue, self.store, registry,  # type: ignore[arg-type]
+        self.worker = Worker(s, queue, self.store, registry,
                              visibility_timeout=30, rng=lambda: 0.0)
         self.task: asyncio.Task[int] | None = None
 
@@ -164,9 +164,10 @@ async def test_transient_failure_backs_off_then_dead_letters(harness: Harness) -
 
 
 async def test_claim_held_by_another_owner_is_deferred_not_failed(harness: Harness, calls: list[int]) -> None:
-    from service.testing import _Row
+    from service.testing import FakeWorker, Row
 
-    harness.store.rows["busy"] = _Row("busy", "note", _hash({"n": 5}), "IN_PROGRESS", "other")
+    harness.store.db.workers["other"] = FakeWorker("other")  # a live replica
+    harness.store.rows["busy"] = Row("busy", "note", _hash({"n": 5}), "IN_PROGRESS", "other")
     q = harness.queue
     mid = q.send(body("busy", 5))
     await until(lambda: any(c[0] == mid for c in q.visibility_calls), "deferred")
@@ -215,7 +216,7 @@ async def test_stop_finishes_in_flight_batch_and_exits_0(registry: Registry) -> 
         started.set()
         await release.wait()
 
-    registry._specs.pop("note")
+    registry = Registry()
     registry.register("note", Note, slow)
     q = FakeQueue()
     q.send(body("s1", 1))
@@ -238,7 +239,7 @@ async def test_stop_deadline_cancels_and_releases(registry: Registry) -> None:
     async def stuck(p: Note, conn: Any) -> None:
         await asyncio.sleep(3600)
 
-    registry._specs.pop("note")
+    registry = Registry()
     registry.register("note", Note, stuck)
     q = FakeQueue()
     mid = q.send(body("s1", 1))
@@ -258,13 +259,14 @@ def _hash(payload: dict[str, Any]) -> str:
 async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
     registry: Registry, calls: list[int]
 ) -> None:
-    from service.testing import _Row
+    from service.testing import FakeWorker, Row
 
     q = FakeQueue(fifo=True)
     q.send(body("a1", 1), "A")
     q.send(body("a2", 2), "A")
     async with Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q) as h:
-        h.store.rows["a1"] = _Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
+        h.store.db.workers["other"] = FakeWorker("other")  # a live replica
+        h.store.rows["a1"] = Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
         await until(lambda: len(q.visibility_calls) >= 2, "both deferred")
         assert calls == []
         assert "a2" not in h.store.rows  # claimed, then given back: no stale claim left
@@ -272,7 +274,7 @@ async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
 
 
 async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, calls: list[int]) -> None:
-    from service.store import DeadLetter
+    from service.seams import DeadLetter
 
     q = harness.queue
     mid = q.send(body("r9", 9))
@@ -300,7 +302,7 @@ async def test_a_hung_handler_times_out_as_a_failure(registry: Registry) -> None
     async def hung(p: Note, conn: Any) -> None:
         await asyncio.sleep(3600)
 
-    registry._specs.pop("note")
+    registry = Registry()
     registry.register("note", Note, hung)
     q = FakeQueue()
     mid = q.send(body("h1", 1))
@@ -308,3 +310,23 @@ async def test_a_hung_handler_times_out_as_a_failure(registry: Registry) -> None
         await until(lambda: any(c[0] == mid for c in q.visibility_calls), "released")
         assert h.store.failures.get("h1") == 1  # counted as a handler failure
         assert "h1" not in h.store.rows  # claim released
+
+
+async def test_a_database_back_with_an_older_schema_is_not_ready(harness: Harness, calls: list[int]) -> None:
+    """Restored from a backup behind this code's migrations: stay not ready, receive
+    nothing, until the schema is current again."""
+    q = harness.queue
+    harness.store.down = True
+    harness.store.db.schema_behind = True
+    mid = q.send(body("r1", 1))
+    await until(lambda: not harness.worker.readiness()[0], "not ready")
+    harness.store.down = False
+    await until(lambda: harness.worker.readiness()[1]["schema"] is False, "schema behind")
+    assert harness.worker.readiness()[1]["database"] is False  # still not receiving
+    checks = harness.store.db.schema_checks
+    q.messages[mid].visible_at = 0
+    await until(lambda: harness.store.db.schema_checks >= checks + 2, "two more probes")
+    assert "r1" not in harness.store.rows and calls == []  # nothing claimed meanwhile
+    harness.store.db.schema_behind = False
+    await until(lambda: not q.messages, "processed once the schema is current")
+    assert calls == [1] and harness.worker.readiness()[0]

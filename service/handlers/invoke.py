@@ -1,0 +1,45 @@
+"""How a handler is called: request-id context, log context, timeout, and the batch form."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from service.handlers.context import request_context
+from service.handlers.registry import Registry
+from service.messages import Message
+from service.seams import Batching
+
+
+class Invoker:
+    """Calls the registered handlers of messages; what ``Store.apply`` is given."""
+
+    def __init__(self, registry: Registry, timeout: float = 0) -> None:
+        self.registry = registry
+        self.timeout = timeout or None  # 0 = no limit
+
+    async def one(self, m: Message, conn: Any) -> dict[str, Any] | None:
+        spec = self.registry.get(m.type)
+        assert spec is not None  # parse() guarantees it
+        with request_context(m.request_id), structlog.contextvars.bound_contextvars(
+            message_id=m.raw.message_id, request_id=m.request_id
+        ):
+            async with asyncio.timeout(self.timeout):
+                return await spec.fn(m.payload, conn)
+
+    def key(self, m: Message) -> object:
+        """Messages with the same key may share one batch call (None: never)."""
+        spec = self.registry.get(m.type)
+        return spec.batch_fn if spec is not None else None
+
+    async def many(self, ms: list[Message], conn: Any) -> list[dict[str, Any] | None] | None:
+        spec = self.registry.get(ms[0].type)
+        assert spec is not None and spec.batch_fn is not None
+        async with asyncio.timeout(self.timeout):
+            return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
+
+    @property
+    def batching(self) -> Batching:
+        return (self.key, self.many)

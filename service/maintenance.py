@@ -1,0 +1,126 @@
+"""Background upkeep beside the pollers: the worker heartbeat, orphan GC, and the queue
+gauges from GetQueueAttributes (depth, oldest message age)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+
+import structlog
+
+from service import metrics
+from service.dbhealth import DatabaseHealth
+from service.errors import TransientError
+from service.messages import Received
+from service.seams import QueueSeam, StoreSeam
+from service.settings import Settings
+from service.store import DB_ERRORS
+
+log = structlog.get_logger("sqs_ingest.worker")
+
+
+class Maintenance:
+    """Periodic tasks of one worker; every one of them must stay alive (liveness)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        queue: QueueSeam,
+        store: StoreSeam,
+        health: DatabaseHealth,
+        holding: collections.Counter[str],
+        started_at: float,
+        sqs_status: Callable[[bool], None],
+    ) -> None:
+        self.s = settings
+        self.queue = queue
+        self.store = store
+        self.health = health
+        self.holding = holding  # request_ids claimed by batches in flight
+        self.started_at = started_at
+        self.sqs_status = sqs_status
+        self._oldest_sent: float | None = None
+        self._last_oldest_sent: float | None = None
+
+    def start(self) -> list[asyncio.Task[None]]:
+        return [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._gc_loop(), name="gc"),
+            asyncio.create_task(self._queue_attributes_loop(), name="queue-attributes"),
+        ]
+
+    def note_sent(self, batch: Sequence[Received]) -> None:
+        sent = [m.sent_timestamp for m in batch if m.sent_timestamp]
+        if sent:
+            oldest = min(sent)
+            if self._oldest_sent is None or oldest < self._oldest_sent:
+                self._oldest_sent = oldest
+
+    async def gc_once(self, startup: bool = False) -> None:
+        try:
+            rows = await self.store.gc(
+                self.s.worker_lease,
+                # "My previous incarnation" only makes sense at startup: later passes
+                # must never read a same-named live replica as dead.
+                (self.s.worker_name or None) if startup else None,
+                datetime.fromtimestamp(self.started_at, UTC),
+            )
+            leaks = await self.store.gc_own_leaks(list(self.holding))
+        except DB_ERRORS as exc:
+            self.health.error(exc)
+            return
+        for r in rows:
+            log.warning("orphan_released", request_id=r["request_id"], owner=r["owner"],
+                        message_id=r["sqs_message_id"])
+        if rows:
+            metrics.orphans_collected.inc(len(rows))
+        if leaks:
+            log.info("own_stale_claims_released", count=len(leaks))
+
+    async def _heartbeat_loop(self) -> None:
+        interval = max(0.2, self.s.worker_lease / 3)
+        while True:
+            await asyncio.sleep(interval)
+            if not self.health.is_up:
+                continue
+            try:
+                await self.store.heartbeat()
+            except DB_ERRORS as exc:
+                self.health.error(exc)
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.gc_interval)
+            if self.health.is_up:
+                await self.gc_once()
+
+    async def _queue_attributes_loop(self) -> None:
+        while True:
+            try:
+                attrs = await self.queue.attributes()
+                self.sqs_status(True)
+            except TransientError as exc:
+                self.sqs_status(False)
+                metrics.sqs_errors.labels("get_queue_attributes").inc()
+                log.warning("queue_attributes_failed", error=str(exc))
+            else:
+                self._set_gauges(attrs)
+            await asyncio.sleep(self.s.queue_attributes_interval)
+
+    def _set_gauges(self, attrs: dict[str, str]) -> None:
+        visible = int(attrs.get("ApproximateNumberOfMessages", "0"))
+        metrics.queue_visible.set(visible)
+        metrics.queue_not_visible.set(int(attrs.get("ApproximateNumberOfMessagesNotVisible", "0")))
+        if self._oldest_sent is not None:
+            self._last_oldest_sent = self._oldest_sent
+        elif visible == 0:
+            self._last_oldest_sent = None
+        # Nothing received but messages waiting (database down, pollers stuck): the last
+        # oldest keeps ageing, which is when the age alert must fire.
+        metrics.queue_oldest_age.set(
+            0 if self._last_oldest_sent is None
+            else max(0.0, time.time() - self._last_oldest_sent))
+        self._oldest_sent = None

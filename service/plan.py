@@ -1,0 +1,179 @@
+"""A batch as a value: pure functions that turn parse, claim and apply results into a
+``Plan`` — what to dead-letter, ack, hand back and count — without any I/O.
+
+``service.executor`` carries a plan out in the one safe order: dead letters committed →
+deletes → visibility changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from service.handlers import Registry
+from service.messages import Message, Poison, Received, parse
+from service.retry import RetryPolicy
+from service.seams import ApplyResult, ClaimResult, DeadLetter
+
+log = structlog.get_logger("sqs_ingest.worker")
+
+INVALID_TYPE_LABEL = "_invalid"
+
+
+@dataclass(slots=True)
+class Plan:
+    """What to do with the messages of a batch whose fate is decided."""
+
+    letters: list[DeadLetter] = field(default_factory=list)  # commit before any ack
+    acks: list[Received] = field(default_factory=list)  # delete once the letters are committed
+    releases: list[tuple[Received, int]] = field(default_factory=list)  # visibility, last
+    outcomes: list[tuple[str, str]] = field(default_factory=list)  # (type label, outcome)
+    dead_letter_reasons: list[str] = field(default_factory=list)  # dead_letters_total
+    lags: list[float] = field(default_factory=list)  # commit time - SentTimestamp
+    contention: int = 0  # deferrals because another owner held the claim
+
+    def letter(self, received: Received, d: DeadLetter, label: str) -> None:
+        self.letters.append(d)
+        self.ack(received, label, "dead_lettered")
+        self.dead_letter_reasons.append(d.reason)
+
+    def ack(self, received: Received, label: str, outcome: str) -> None:
+        self.acks.append(received)
+        self.outcomes.append((label, outcome))
+
+    def release(self, received: Received, delay: int) -> None:
+        self.releases.append((received, delay))
+
+    def merge(self, other: Plan) -> Plan:
+        self.letters += other.letters
+        self.acks += other.acks
+        self.releases += other.releases
+        self.outcomes += other.outcomes
+        self.dead_letter_reasons += other.dead_letter_reasons
+        self.lags += other.lags
+        self.contention += other.contention
+        return self
+
+
+@dataclass(slots=True)
+class Triage:
+    """A parsed batch: one message per request_id to claim, the rest decided already."""
+
+    primaries: list[Message]
+    plan: Plan  # poison dead-lettered; twins handed back
+
+
+def triage(batch: Sequence[Received], registry: Registry, policy: RetryPolicy) -> Triage:
+    """Parse every body. Poison is dead-lettered; the same request_id twice in one batch
+    is decided on the second copy's next delivery, after the first one's outcome."""
+    plan = Plan()
+    primaries: dict[str, Message] = {}
+    for raw in batch:
+        item = parse(raw, registry)
+        if isinstance(item, Poison):
+            log.warning("poison_message", message_id=raw.message_id,
+                        request_id=item.request_id, reason=item.reason, error=item.error)
+            label = item.type if item.type is not None and item.type in registry \
+                else INVALID_TYPE_LABEL
+            plan.letter(raw, DeadLetter.of_poison(item), label)
+        elif item.request_id in primaries:
+            plan.release(raw, policy.contention())
+        else:
+            primaries[item.request_id] = item
+    return Triage(list(primaries.values()), plan)
+
+
+@dataclass(slots=True)
+class ClaimPlan:
+    to_apply: list[Message]  # claimed by us: run the handlers
+    unclaim: list[Message]  # claimed, but must wait (FIFO, behind its group): give back now
+    plan: Plan
+
+
+def classify(
+    primaries: Sequence[Message],
+    claims: Mapping[str, ClaimResult],
+    policy: RetryPolicy,
+    fifo: bool,
+) -> ClaimPlan:
+    """Sort claim results into apply / duplicate / conflict / defer (batch order: FIFO order
+    within a group; a message that has to wait holds back the rest of its group)."""
+    out = ClaimPlan([], [], Plan())
+    blocked_groups: set[str] = set()
+    for m in primaries:
+        c = claims[m.request_id]
+        group = m.raw.group_id if fifo else None
+        if group is not None and group in blocked_groups:
+            out.plan.release(m.raw, 0)
+            if c.claimed:
+                out.unclaim.append(m)
+        elif c.dead_lettered:
+            # Dead-lettered on an earlier delivery whose ack never happened.
+            out.plan.ack(m.raw, m.type, "dead_lettered")
+        elif c.claimed:
+            m.failures = c.failures
+            out.to_apply.append(m)
+        elif c.status is not None and (
+            c.payload_sha256 != m.payload_sha256 or c.request_type != m.type
+        ):
+            log.warning("idempotency_key_reused", message_id=m.raw.message_id,
+                        request_id=m.request_id)
+            out.plan.letter(m.raw, DeadLetter.of_message(
+                m, "idempotency_key_reused",
+                f"request_id already used with payload_sha256={c.payload_sha256} "
+                f"type={c.request_type}",
+            ), m.type)
+        elif c.status == "COMPLETED":
+            out.plan.ack(m.raw, m.type, "duplicate")
+        else:
+            # IN_PROGRESS under another owner (or committed after our snapshot): come back
+            # after it finished. Not a failure: does not count towards the limit.
+            out.plan.release(m.raw, policy.contention())
+            out.plan.contention += 1
+            if group is not None:
+                blocked_groups.add(group)
+    return out
+
+
+def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
+    """Completed → ack; claim lost to GC → come back later; FIFO-blocked → visible now.
+    Handler failures are settled by ``settle_failures`` once they are counted."""
+    plan = Plan()
+    for m, _ in res.completed:
+        plan.ack(m.raw, m.type, "completed")
+        if m.raw.sent_timestamp:
+            plan.lags.append(max(0.0, res.committed_at - m.raw.sent_timestamp))
+    for m in res.lost:
+        log.warning("claim_lost", message_id=m.raw.message_id, request_id=m.request_id)
+        plan.release(m.raw, policy.contention())
+    for m in res.blocked:
+        plan.release(m.raw, 0)
+    return plan
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def settle_failures(
+    failures: Sequence[tuple[Message, str]], counts: Mapping[str, int], policy: RetryPolicy
+) -> Plan:
+    """A handler failure is retried after a backoff; at the limit it is dead-lettered
+    (already committed by ``record_failures``) and acked."""
+    plan = Plan()
+    for m, err in failures:
+        n = counts[m.request_id]
+        if policy.exhausted(n):
+            plan.ack(m.raw, m.type, "dead_lettered")
+            plan.dead_letter_reasons.append("max_receives_exceeded")
+            log.error("dead_lettered_after_retries", message_id=m.raw.message_id,
+                      request_id=m.request_id, failures=n, error=err)
+        else:
+            delay = policy.backoff(m.raw.receive_count)
+            plan.release(m.raw, delay)
+            plan.outcomes.append((m.type, "retried"))
+            log.warning("handler_failed", message_id=m.raw.message_id,
+                        request_id=m.request_id, failures=n, retry_in=delay, error=err)
+    return plan

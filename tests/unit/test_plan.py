@@ -1,0 +1,136 @@
+"""The batch plan, without I/O: literal batches in, literal plans out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+from service.handlers import Registry
+from service.messages import Message, Received
+from service.plan import INVALID_TYPE_LABEL, classify, settle, settle_failures, triage
+from service.retry import RetryPolicy
+from service.seams import ApplyResult, ClaimResult
+
+POLICY = RetryPolicy(base_seconds=2, max_seconds=900, contention_seconds=4, max_failures=3,
+                     rng=lambda: 0.0)
+
+
+class Note(BaseModel):
+    n: int
+
+
+async def _note(p: Note, conn: Any) -> None:
+    return None
+
+
+def registry() -> Registry:
+    r = Registry()
+    r.register("note", Note, _note)
+    return r
+
+
+def raw(mid: str, body: str, receives: int = 1, group: str | None = None,
+        sent: float | None = None) -> Received:
+    return Received(mid, "rh-" + mid, body, receives, sent, group)
+
+
+def note(rid: str, n: int = 1) -> str:
+    return json.dumps({"request_id": rid, "type": "note", "payload": {"n": n}})
+
+
+def parsed(mid: str, rid: str, group: str | None = None, receives: int = 1,
+           sent: float | None = None) -> Message:
+    t = triage([raw(mid, note(rid), receives, group, sent)], registry(), POLICY)
+    [m] = t.primaries
+    return m
+
+
+def claim(rid: str, claimed: bool = False, status: str | None = None,
+          sha: str | None = None, owner: str | None = None, dead: bool = False,
+          type_: str = "note") -> ClaimResult:
+    return ClaimResult(rid, claimed, status, type_ if status else None, sha, owner, 0, dead)
+
+
+def test_triage_letters_poison_and_holds_back_a_twin() -> None:
+    batch = [raw("m1", note("r1")), raw("m2", "{nope"), raw("m3", note("r1")),
+             raw("m4", json.dumps({"request_id": "r4", "type": "other", "payload": {}}))]
+    t = triage(batch, registry(), POLICY)
+    assert [m.request_id for m in t.primaries] == ["r1"]
+    assert [(d.sqs_message_id, d.reason, d.body) for d in t.plan.letters] == [
+        ("m2", "invalid_json", "{nope"), ("m4", "unknown_type", batch[3].body)]
+    assert [a.message_id for a in t.plan.acks] == ["m2", "m4"]
+    assert t.plan.outcomes == [(INVALID_TYPE_LABEL, "dead_lettered"),
+                               (INVALID_TYPE_LABEL, "dead_lettered")]
+    assert t.plan.dead_letter_reasons == ["invalid_json", "unknown_type"]
+    assert [(r.message_id, d) for r, d in t.plan.releases] == [("m3", 2)]  # contention delay
+
+
+def test_classify_each_claim_outcome() -> None:
+    ms = [parsed("m1", "new"), parsed("m2", "done"), parsed("m3", "reused"),
+          parsed("m4", "busy"), parsed("m5", "lettered")]
+    sha = ms[1].payload_sha256
+    claims = {
+        "new": claim("new", claimed=True),
+        "done": claim("done", status="COMPLETED", sha=sha),
+        "reused": claim("reused", status="COMPLETED", sha="0" * 64),
+        "busy": claim("busy", status="IN_PROGRESS", sha=sha, owner="other"),
+        "lettered": claim("lettered", dead=True),
+    }
+    c = classify(ms, claims, POLICY, fifo=False)
+    assert [m.request_id for m in c.to_apply] == ["new"] and c.unclaim == []
+    assert [(a.message_id, o) for a, o in zip(c.plan.acks, c.plan.outcomes, strict=True)] == [
+        ("m2", ("note", "duplicate")), ("m3", ("note", "dead_lettered")),
+        ("m5", ("note", "dead_lettered"))]
+    assert [(d.sqs_message_id, d.reason) for d in c.plan.letters] == [
+        ("m3", "idempotency_key_reused")]
+    assert c.plan.dead_letter_reasons == ["idempotency_key_reused"]
+    assert [(r.message_id, d) for r, d in c.plan.releases] == [("m4", 2)]
+    assert c.plan.contention == 1
+
+
+def test_classify_same_hash_other_type_is_a_conflict() -> None:
+    m = parsed("m1", "r1")
+    c = classify([m], {"r1": claim("r1", status="COMPLETED", sha=m.payload_sha256,
+                                   type_="invoice")}, POLICY, fifo=False)
+    assert [d.reason for d in c.plan.letters] == ["idempotency_key_reused"]
+
+
+def test_fifo_wait_holds_back_the_rest_of_the_group_and_gives_claims_back() -> None:
+    ms = [parsed("m1", "a1", "A"), parsed("m2", "a2", "A"), parsed("m3", "b1", "B"),
+          parsed("m4", "a3", "A")]
+    claims = {"a1": claim("a1", status="IN_PROGRESS", sha=ms[0].payload_sha256, owner="other"),
+              "a2": claim("a2", claimed=True), "b1": claim("b1", claimed=True),
+              "a3": claim("a3", status="COMPLETED", sha=ms[3].payload_sha256)}
+    c = classify(ms, claims, POLICY, fifo=True)
+    assert [m.request_id for m in c.to_apply] == ["b1"]
+    assert [m.request_id for m in c.unclaim] == ["a2"]
+    assert [(r.message_id, d) for r, d in c.plan.releases] == [("m1", 2), ("m2", 0), ("m4", 0)]
+    assert c.plan.acks == []  # a3's duplicate waits behind a1 too
+    # The same batch on a standard queue: no group holds anything back.
+    s = classify(ms, claims, POLICY, fifo=False)
+    assert [m.request_id for m in s.to_apply] == ["a2", "b1"]
+    assert [a.message_id for a in s.plan.acks] == ["m4"]
+
+
+def test_settle_acks_completed_and_hands_back_lost_and_blocked() -> None:
+    done, lost, blocked = (parsed("m1", "r1", sent=100.0), parsed("m2", "r2"),
+                           parsed("m3", "r3"))
+    res = ApplyResult(completed=[(done, {"ok": True})], lost=[lost], blocked=[blocked],
+                      committed_at=102.5)
+    plan = settle(res, POLICY)
+    assert [a.message_id for a in plan.acks] == ["m1"]
+    assert plan.outcomes == [("note", "completed")]
+    assert plan.lags == [2.5]
+    assert [(r.message_id, d) for r, d in plan.releases] == [("m2", 2), ("m3", 0)]
+
+
+def test_settle_failures_backs_off_then_acks_the_exhausted() -> None:
+    early, late = parsed("m1", "r1", receives=3), parsed("m2", "r2", receives=5)
+    plan = settle_failures([(early, "boom"), (late, "boom")], {"r1": 2, "r2": 3}, POLICY)
+    assert [(r.message_id, d) for r, d in plan.releases] == [("m1", 4)]  # 2 * 2^2 / 2
+    assert [a.message_id for a in plan.acks] == ["m2"]
+    assert plan.outcomes == [("note", "retried"), ("note", "dead_lettered")]
+    assert plan.dead_letter_reasons == ["max_receives_exceeded"]
+    assert plan.letters == []  # committed by record_failures already
