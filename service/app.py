@@ -28,12 +28,20 @@ _RETRYABLE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, TransientErro
 
 
 class _Startup:
-    """Readiness while the daemon is still connecting (DB or SQS not there yet)."""
+    """Signals and readiness while the daemon is still connecting (DB or SQS not there
+    yet); once the worker runs, both are handed to it."""
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
+        self.stop = asyncio.Event()
         self.db = False
         self.sqs = False
+
+    def on_signal(self) -> None:
+        if self.worker is not None:
+            self.worker.request_stop()
+        else:
+            self.stop.set()
 
     async def healthy(self) -> tuple[bool, dict[str, object]]:
         if self.worker is None:
@@ -63,22 +71,12 @@ async def _retry(
 async def run(settings: Settings, early_signals: list[int] | None = None) -> int:
     load_reference_handlers()
     load_handler_modules(settings.handler_modules)  # already imported by the CLI: cached
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     state = _Startup()
-    worker: Worker | None = None
-
-    def on_signal() -> None:
-        if worker is not None:
-            worker.request_stop()
-        else:
-            stop.set()
-
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, state.on_signal)
     if early_signals:
-        stop.set()
-
+        state.stop.set()
     runner = None
     if settings.http_port:
         runner = await metrics.start_http(
@@ -87,49 +85,57 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
     log.info("starting", database=redact_dsn(settings.database_url), queue=settings.queue_url,
              http_port=settings.http_port)
     try:
-        pool = await _retry(
-            "database", lambda: create_pool(settings.database_url, settings.db_pool_size), stop
-        )
-        if pool is None:
-            return 0
-        try:
-            async with pool.acquire() as conn:
-                await check_schema(conn)
-        except SchemaBehind as exc:
-            log.error("schema_behind", error=str(exc))
-            print(f"sqs-ingest: {exc}", flush=True)
-            return EXIT_FATAL
-        state.db = True
-        control_pool = await create_pool(settings.database_url, 2)
-        store = Store(pool, control_pool=control_pool)
-        async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
-                              max_pool_connections=settings.pollers * 2 + 10) as client:
-            queue = SqsQueue(client, settings.queue_url)
-            attrs = await _retry("sqs", queue.attributes, stop)
-            if attrs is None:
-                return 0
-            state.sqs = True
-            vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
-            if vt < 2:
-                # A zero timeout hides nothing and would make the heartbeat spin.
-                log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
-                vt = 30
-            await _retry("database", lambda: store.register_worker(settings.effective_worker_name),
-                         stop)
-            worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt)
-            state.worker = worker
-            if stop.is_set():
-                worker.request_stop()
-            code = await worker.run()
-        for p in (pool, control_pool):
-            try:
-                await asyncio.wait_for(p.close(), timeout=5)
-            except TimeoutError:
-                p.terminate()
-        return code
+        return await _with_database(settings, state)
     except asyncpg.PostgresError as exc:
         log.error("fatal_database_error", error=str(exc))
         return EXIT_FATAL
     finally:
         if runner is not None:
             await runner.cleanup()
+
+
+async def _with_database(settings: Settings, state: _Startup) -> int:
+    pool = await _retry(
+        "database", lambda: create_pool(settings.database_url, settings.db_pool_size), state.stop
+    )
+    if pool is None:
+        return 0
+    try:
+        async with pool.acquire() as conn:
+            await check_schema(conn)
+    except SchemaBehind as exc:
+        log.error("schema_behind", error=str(exc))
+        print(f"sqs-ingest: {exc}", flush=True)
+        return EXIT_FATAL
+    state.db = True
+    control_pool = await create_pool(settings.database_url, 2)
+    try:
+        return await _with_queue(settings, state, Store(pool, control_pool=control_pool))
+    finally:
+        for p in (pool, control_pool):
+            try:
+                await asyncio.wait_for(p.close(), timeout=5)
+            except TimeoutError:
+                p.terminate()
+
+
+async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
+    async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
+                          max_pool_connections=settings.pollers * 2 + 10) as client:
+        queue = SqsQueue(client, settings.queue_url)
+        attrs = await _retry("sqs", queue.attributes, state.stop)
+        if attrs is None:
+            return 0
+        state.sqs = True
+        vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
+        if vt < 2:
+            # A zero timeout hides nothing and would make the heartbeat spin.
+            log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
+            vt = 30
+        await _retry("database", lambda: store.register_worker(settings.effective_worker_name),
+                     state.stop)
+        worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt)
+        state.worker = worker
+        if state.stop.is_set():
+            worker.request_stop()
+        return await worker.run()

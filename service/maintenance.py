@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import structlog
@@ -33,7 +33,6 @@ class Maintenance:
         health: DatabaseHealth,
         holding: collections.Counter[str],
         started_at: float,
-        sqs_status: Callable[[bool], None],
     ) -> None:
         self.s = settings
         self.queue = queue
@@ -41,7 +40,7 @@ class Maintenance:
         self.health = health
         self.holding = holding  # request_ids claimed by batches in flight
         self.started_at = started_at
-        self.sqs_status = sqs_status
+        self.sqs_ok = True  # the last SQS call (receive or GetQueueAttributes) worked
         self._oldest_sent: float | None = None
         self._last_oldest_sent: float | None = None
 
@@ -101,9 +100,9 @@ class Maintenance:
         while True:
             try:
                 attrs = await self.queue.attributes()
-                self.sqs_status(True)
+                self.sqs_ok = True
             except TransientError as exc:
-                self.sqs_status(False)
+                self.sqs_ok = False
                 metrics.sqs_errors.labels("get_queue_attributes").inc()
                 log.warning("queue_attributes_failed", error=str(exc))
             else:

@@ -171,34 +171,12 @@ class FakeStore:
     def __init__(self, worker_id: str = "fake-worker", db: FakeDatabase | None = None) -> None:
         self.worker_id = worker_id
         self.db = db or FakeDatabase()
-
-    # The worker tests read and steer the shared tables through these.
-    @property
-    def rows(self) -> dict[str, Row]:
-        return self.db.rows
-
-    @property
-    def dead(self) -> dict[str, DeadLetter]:
-        return self.db.dead
-
-    @property
-    def failures(self) -> dict[str, int]:
-        return self.db.failures
-
-    @property
-    def down(self) -> bool:
-        return self.db.down
-
-    @down.setter
-    def down(self, value: bool) -> None:
-        self.db.down = value
+        # The shared tables, as the worker tests read them.
+        self.rows, self.dead, self.failures = self.db.rows, self.db.dead, self.db.failures
 
     def _check(self) -> None:
         if self.db.down:
             raise DatabaseUnavailable("fake database is down")
-
-    def _mine(self, row: Row | None) -> bool:
-        return row is not None and row.owner == self.worker_id and row.status == "IN_PROGRESS"
 
     # -- workers -----------------------------------------------------------------------
 
@@ -216,7 +194,7 @@ class FakeStore:
 
     async def stop_worker(self) -> int:
         self._check()
-        mine = [r for r in self.db.rows.values() if self._mine(r)]
+        mine = [r for r in self.db.rows.values() if _held_by(self.worker_id, r)]
         for r in mine:
             del self.db.rows[r.request_id]
         if self.worker_id in self.db.workers:
@@ -296,13 +274,13 @@ class FakeStore:
             group = m.raw.group_id if fifo else None
             if group is not None and group in stopped:
                 res.blocked.append(m)
-            elif self._mine(self.db.rows.get(m.request_id)):
+            elif _held_by(self.worker_id, self.db.rows.get(m.request_id)):
                 live.append(m)
             else:
                 res.lost.append(m)
                 if group is not None:
                     stopped.add(group)
-        done = await self._batched(live, batch) if batch is not None and not fifo else {}
+        done = await _run_batched(live, batch) if batch is not None and not fifo else {}
         for m in live:
             if fifo and m.raw.group_id in stopped:
                 res.blocked.append(m)
@@ -320,27 +298,6 @@ class FakeStore:
             res.completed.append((m, out))
         return res
 
-    async def _batched(
-        self, live: list[Message], batch: Batching
-    ) -> dict[int, dict[str, Any] | None]:
-        key_of, call_many = batch
-        groups: dict[object, list[Message]] = {}
-        for m in live:
-            key = key_of(m)
-            if key is not None:
-                groups.setdefault(key, []).append(m)
-        done: dict[int, dict[str, Any] | None] = {}
-        for group in groups.values():
-            if len(group) < 2:
-                continue
-            try:
-                outs = await call_many(group, None)
-            except Exception:
-                continue  # one by one finds the culprit
-            if outs is not None:
-                done.update((id(m), o) for m, o in zip(group, outs, strict=True))
-        return done
-
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self._check()
         for d in letters:
@@ -350,7 +307,8 @@ class FakeStore:
         self._check()
         for m in messages:
             row = self.db.rows.get(m.request_id)
-            if self._mine(row) and row is not None and row.sqs_message_id == m.raw.message_id:
+            if (_held_by(self.worker_id, row) and row is not None
+                    and row.sqs_message_id == m.raw.message_id):
                 del self.db.rows[m.request_id]
 
     async def record_failures(
@@ -367,6 +325,32 @@ class FakeStore:
                 await self.dead_letter([DeadLetter.of_message(m, "max_receives_exceeded", err)])
                 self.db.failures.pop(m.request_id)
         return counts
+
+
+def _held_by(worker_id: str, row: Row | None) -> bool:
+    return row is not None and row.owner == worker_id and row.status == "IN_PROGRESS"
+
+
+async def _run_batched(
+    live: list[Message], batch: Batching
+) -> dict[int, dict[str, Any] | None]:
+    key_of, call_many = batch
+    groups: dict[object, list[Message]] = {}
+    for m in live:
+        key = key_of(m)
+        if key is not None:
+            groups.setdefault(key, []).append(m)
+    done: dict[int, dict[str, Any] | None] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        try:
+            outs = await call_many(group, None)
+        except Exception:
+            continue  # one by one finds the culprit
+        if outs is not None:
+            done.update((id(m), o) for m, o in zip(group, outs, strict=True))
+    return done
 
 
 def _conforms(queue: FakeQueue, store: FakeStore) -> tuple[QueueSeam, StoreSeam]:

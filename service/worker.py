@@ -63,7 +63,6 @@ class Worker:
         self._done = asyncio.Event()
         self._force = asyncio.Event()
         self._stop_requested_at = 0.0
-        self._sqs_ok = True
         self._slots = asyncio.Semaphore(settings.inflight_limit)
         self._pollers: list[asyncio.Task[None]] = []
         self._batches: set[asyncio.Task[None]] = set()
@@ -76,8 +75,7 @@ class Worker:
             fatal=self._fatal,
         )
         self.maintenance = Maintenance(
-            settings, queue, store, self.health, self.batches.holding, self.started_at,
-            self._set_sqs_ok,
+            settings, queue, store, self.health, self.batches.holding, self.started_at
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -106,10 +104,6 @@ class Worker:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
-
-    @property
-    def schema_ok(self) -> bool:
-        return self.health.schema_ok
 
     async def run(self) -> int:
         await self.maintenance.gc_once(startup=True)
@@ -198,14 +192,12 @@ class Worker:
         detail: dict[str, object] = {
             "database": self.health.is_up,
             "schema": self.health.schema_ok,
-            "sqs": self._sqs_ok,
+            "sqs": self.maintenance.sqs_ok,
             "draining": self.stopping,
         }
-        ok = self.health.is_up and self.health.schema_ok and self._sqs_ok and not self.stopping
+        ok = (self.health.is_up and self.health.schema_ok and self.maintenance.sqs_ok
+              and not self.stopping)
         return ok, detail
-
-    def _set_sqs_ok(self, ok: bool) -> None:
-        self._sqs_ok = ok
 
     # -- receiving ---------------------------------------------------------------------
 
@@ -226,13 +218,12 @@ class Worker:
                 )
             except TransientError as exc:
                 self._slots.release()
-                self._sqs_ok = False
+                self.maintenance.sqs_ok = False
                 metrics.sqs_errors.labels("receive").inc()
                 log.warning("receive_failed", error=str(exc), retry_in=round(backoff.delay, 2))
                 await backoff.wait(self._stop)
                 continue
-            self._sqs_ok = True
-            backoff.reset()
+                backoff.reset()
             if not await self._dispatch(batch):
                 break
 

@@ -148,7 +148,9 @@ async def test_transient_failure_backs_off_then_dead_letters(harness: Harness) -
     mid = q.send(body("bad", -1))
     # Each failure hides the message for the backoff; make it visible again at once.
     for attempt in range(1, 4):
-        await until(lambda: harness.store.failures.get("bad", 0) >= attempt
+        # The failure is counted first, the visibility change follows: wait for both.
+        await until(lambda: (harness.store.failures.get("bad", 0) >= attempt
+                             and sum(c[0] == mid for c in q.visibility_calls) >= attempt)
                     or mid in harness.store.dead, f"failure {attempt}")
         if mid in harness.store.dead:
             break
@@ -193,7 +195,7 @@ async def test_fifo_failure_blocks_later_messages_of_its_group(registry: Registr
 
 async def test_database_outage_stops_receiving_then_resumes(harness: Harness, calls: list[int]) -> None:
     q = harness.queue
-    harness.store.down = True
+    harness.store.db.down = True
     mid = q.send(body("r1", 1))
     await until(lambda: not harness.worker.readiness()[0], "not ready")
     # The first batch failed on the claim and was released; no new receive while down.
@@ -203,7 +205,7 @@ async def test_database_outage_stops_receiving_then_resumes(harness: Harness, ca
     count = q.messages[mid].receive_count
     await asyncio.sleep(0.3)
     assert q.messages[mid].receive_count == count
-    harness.store.down = False
+    harness.store.db.down = False
     await until(lambda: not q.messages, "processed after recovery")
     assert calls == [1]
     assert harness.worker.readiness()[0]
@@ -316,11 +318,11 @@ async def test_a_database_back_with_an_older_schema_is_not_ready(harness: Harnes
     """Restored from a backup behind this code's migrations: stay not ready, receive
     nothing, until the schema is current again."""
     q = harness.queue
-    harness.store.down = True
+    harness.store.db.down = True
     harness.store.db.schema_behind = True
     mid = q.send(body("r1", 1))
     await until(lambda: not harness.worker.readiness()[0], "not ready")
-    harness.store.down = False
+    harness.store.db.down = False
     await until(lambda: harness.worker.readiness()[1]["schema"] is False, "schema behind")
     assert harness.worker.readiness()[1]["database"] is False  # still not receiving
     checks = harness.store.db.schema_checks
