@@ -23,11 +23,12 @@ run: services
 	  && exec $(VENV)/bin/sqs-ingest run
 
 ## make test: the whole suite (starts its own PostgreSQL and SQS emulator per session)
+## Strict: a skipped test fails the run (tests/conftest.py), and so does a missing deploy tool.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	INGEST_TESTS_STRICT=1 DEPLOY_TOOLS_REQUIRED=1 $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not chaos and not spark" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -m "not chaos and not spark" $(PYTEST_ARGS)
 
 ## make bench [N=20000] [LATENCY_MS=20] [SOAK=600]: ceiling vs naive vs daemon, side by side
 bench: install

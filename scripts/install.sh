@@ -12,6 +12,8 @@ command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
 [ -f /usr/share/java/postgresql.jar ] || need_apt+=(libpostgresql-jdbc-java)
 if [ "${INSTALL_OPS_TOOLS:-1}" = 1 ]; then
   command -v promtool >/dev/null || need_apt+=(prometheus)
+  # `kubectl kustomize` renders deploy/k8s in tests/deploy (required in `make test`).
+  command -v kubectl >/dev/null || command -v kustomize >/dev/null || need_apt+=(kubectl)
 fi
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then

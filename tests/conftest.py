@@ -17,6 +17,22 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 TEMPLATE_DB = "ingest_template"
 
+#: Tests a strict run (INGEST_TESTS_STRICT=1, set by ``make test``) may skip: node id → why.
+#: Any other skip fails the run, so a test CI is meant to run cannot silently not run.
+ALLOWED_SKIPS: dict[str, str] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and not hasattr(report, "wasxfail")
+            and os.environ.get("INGEST_TESTS_STRICT") == "1"
+            and item.nodeid not in ALLOWED_SKIPS):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"unexpected skip with INGEST_TESTS_STRICT=1: {reason}"
+
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[Postgres]:

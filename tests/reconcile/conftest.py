@@ -11,6 +11,7 @@ import structlog
 
 from tests.conftest import fresh_database
 from tests.servers import Postgres
+from tests.skips import unavailable
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -47,8 +48,10 @@ def _json_logs() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    pytest.importorskip("pyspark")
-    from pyspark.sql import SparkSession
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        unavailable("pyspark", "pip install -e '.[reconcile]'")
 
     session = (
         SparkSession.builder.master("local[2]")
