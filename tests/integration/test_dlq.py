@@ -334,7 +334,8 @@ def test_cli_process_exit_codes(database_url: str, queue_url: str, sqs_endpoint:
 @pytest.mark.parametrize("impl", [
     pytest.param(dlq.replay_one, id="locked"),
     pytest.param(racy_replay_one, id="racy-without-for-update",
-                 marks=pytest.mark.xfail(strict=True, reason="proves the test catches the race")),
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                         reason="proves the test catches the race")),
 ])
 async def test_two_sessions_replaying_one_row_send_once(
     impl: Impl, database_url: str, db: asyncpg.Connection,
@@ -406,7 +407,8 @@ async def _drain(batch: BatchImpl, conn: asyncpg.Connection, send: dlq.Send,
 @pytest.mark.parametrize("batch", [
     pytest.param(dlq.replay_batch, id="skip-locked"),
     pytest.param(racy_replay_batch, id="racy-without-for-update",
-                 marks=pytest.mark.xfail(strict=True, reason="proves the test catches the race")),
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                         reason="proves the test catches the race")),
 ])
 async def test_concurrent_replay_all_sends_each_row_once(
     batch: BatchImpl, database_url: str, db: asyncpg.Connection,

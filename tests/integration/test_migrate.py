@@ -22,6 +22,10 @@ from service.migrate import (
 )
 from tests.servers import Postgres
 
+#: What migrations/ holds, written out: a file that goes missing, is renamed or is not
+#: picked up by the loader must change this list (not be taken from the loader itself).
+EXPECTED = [(1, "core")]
+
 
 async def empty_db(pg: Postgres) -> str:
     name = "m_" + uuid.uuid4().hex[:10]
@@ -34,7 +38,7 @@ async def empty_db(pg: Postgres) -> str:
 async def test_every_migration_applies_to_an_empty_database_once(pg_server: Postgres) -> None:
     dsn = await empty_db(pg_server)
     applied = await migrate(dsn)
-    assert [m.version for m in applied] == [m.version for m in load_migrations()]
+    assert [(m.version, m.name) for m in applied] == EXPECTED
     assert await migrate(dsn) == []
     conn = await asyncpg.connect(dsn)
     try:
@@ -53,7 +57,7 @@ async def test_every_migration_applies_to_an_empty_database_once(pg_server: Post
 async def test_two_concurrent_migrations_apply_each_file_once(pg_server: Postgres) -> None:
     dsn = await empty_db(pg_server)
     a, b = await asyncio.gather(migrate(dsn), migrate(dsn))
-    assert len(a) + len(b) == len(load_migrations())
+    assert sorted((m.version, m.name) for m in a + b) == EXPECTED
     assert not (a and b)  # one did everything, the other found it done
 
 
