@@ -36,8 +36,8 @@ async def effects_db(database_url: str) -> str:
 
 
 def env_for(dsn: str, queue_url: str, endpoint: str, chaos_dir: Path, **extra: str) -> dict[str, str]:
-    return daemon_env(dsn, queue_url, endpoint, INGEST_HANDLERS="tests.acceptance.chaos_handlers",
-                      CHAOS_DIR=str(chaos_dir), PYTHONPATH=str(Path(__file__).parents[2]), **extra)
+    # daemon_env loads tests.acceptance.chaos_handlers already.
+    return daemon_env(dsn, queue_url, endpoint, CHAOS_DIR=str(chaos_dir), **extra)
 
 
 async def effects(dsn: str) -> list[str]:
@@ -59,7 +59,8 @@ async def test_sigterm_mid_batch_finishes_and_acks_then_exits_0(
     sqs_client.send_message(QueueUrl=queue_url, MessageBody=body("slow-1", "chaos.slow", seconds=3))
     wait_until(lambda: invocations(tmp_path), 30, "handler started")
     d.signal(signal.SIGTERM)
-    wait_until(lambda: d.get("/readyz")[0] != 200 or d.exited(), 10, "not ready while draining")
+    # A 503 from the live process (Daemon.get raises on a closed port, which proves nothing).
+    wait_until(lambda: d.get("/readyz")[0] == 503, 10, "not ready while draining")
     started = time.monotonic()
     assert d.wait(25) == 0, d.logs()
     assert time.monotonic() - started < 22  # within the shutdown timeout (+ poll return)
@@ -85,13 +86,18 @@ async def test_heartbeat_keeps_a_slow_message_from_a_second_replica(
                                 MessageBody=body("slow-hb", "chaos.slow", seconds=10))
         wait_drained(sqs_client, queue_url, replicas, timeout=60)
         # Received exactly once across both replicas: never redelivered while running.
-        assert sum(r.metric("sqs_ingest_messages_received_total") for r in replicas) == 1
-        assert invocations(tmp_path) == ["slow-hb"]
-        assert await effects(effects_db) == ["slow-hb"]
-        assert sum(r.metric("sqs_ingest_visibility_extensions_total") for r in replicas) >= 2
+        received = sum(r.metric("sqs_ingest_messages_received_total") for r in replicas)
+        extensions = sum(r.metric("sqs_ingest_visibility_extensions_total") for r in replicas)
+        codes = [r.stop() for r in replicas]
     finally:
-        for r in replicas:
-            assert r.stop() == 0, r.logs()
+        for r in replicas:  # no assert here: it would hide the real failure
+            if not r.exited():
+                r.kill9()
+    assert codes == [0, 0], [r.logs() for r in replicas]
+    assert received == 1
+    assert invocations(tmp_path) == ["slow-hb"]
+    assert await effects(effects_db) == ["slow-hb"]
+    assert extensions >= 2
 
 
 async def test_flaky_handler_retried_with_backoff_then_applied_once(
@@ -102,22 +108,32 @@ async def test_flaky_handler_retried_with_backoff_then_applied_once(
                        INGEST_MAX_RECEIVE_COUNT="5"), tmp_path).start()
     try:
         d.wait_ready()
+        started = time.monotonic()
         for i in range(5):
             sqs_client.send_message(QueueUrl=queue_url,
                                     MessageBody=body(f"flaky-{i}", "chaos.flaky", fail_times=2))
         wait_drained(sqs_client, queue_url, [d], timeout=90)
-        assert sorted(await effects(effects_db)) == [f"flaky-{i}" for i in range(5)]
-        assert len(invocations(tmp_path)) == 15  # 2 failures + 1 success each
-        assert d.metric('sqs_ingest_messages_processed_total{outcome="retried",type="chaos.flaky"}') \
-            == 10
-        conn = await asyncpg.connect(effects_db)
-        try:
-            assert await conn.fetchval("SELECT count(*) FROM retry_attempts") == 0
-            assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 0
-        finally:
-            await conn.close()
+        elapsed = time.monotonic() - started
+        retried = d.metric("sqs_ingest_messages_processed_total", outcome="retried",
+                           type="chaos.flaky")
+        code = d.stop()
     finally:
-        assert d.stop() == 0, d.logs()
+        if not d.exited():
+            d.kill9()
+    assert code == 0, d.logs()
+    assert sorted(await effects(effects_db)) == [f"flaky-{i}" for i in range(5)]
+    assert len(invocations(tmp_path)) == 15  # 2 failures + 1 success each
+    assert retried == 10
+    # The backoff is the visibility the daemon sets: base 1 s, equal jitter -> at least
+    # 0.5 s + 1 s before the third attempt; without it the queue's 30 s timeout would
+    # hold each failed message until after t=60 s.
+    assert 1.5 <= elapsed < 30, elapsed
+    conn = await asyncpg.connect(effects_db)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM retry_attempts") == 0
+        assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 0
+    finally:
+        await conn.close()
 
 
 async def test_always_failing_handler_ends_in_dead_letters(
@@ -131,8 +147,11 @@ async def test_always_failing_handler_ends_in_dead_letters(
         d.wait_ready()
         sqs_client.send_message(QueueUrl=queue_url, MessageBody=raw)
         wait_drained(sqs_client, queue_url, [d], timeout=60)
+        code = d.stop()
     finally:
-        assert d.stop() == 0, d.logs()
+        if not d.exited():
+            d.kill9()
+    assert code == 0, d.logs()
     assert invocations(tmp_path) == ["doomed"] * 3
     conn = await asyncpg.connect(effects_db)
     try:
