@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import structlog
 
-from service import metrics
+from service import metrics, tracing
 from service.dbhealth import DatabaseHealth
 from service.errors import AckFailed, DatabaseUnavailable, TransientError
 from service.executor import InFlight, PlanExecutor
@@ -70,7 +70,8 @@ class BatchProcessor:
         metrics.in_flight.inc(len(batch))
         flight.extender = asyncio.create_task(self._extend_visibility(flight), name="extender")
         try:
-            await self._run_guarded(flight)
+            with tracing.batch(batch):
+                await self._run_guarded(flight)
         except AckFailed as exc:
             metrics.ack_failures.inc(len(exc.message_ids))
             # Exit 3 on purpose: the outcome is committed but the message stays on the
@@ -120,19 +121,22 @@ class BatchProcessor:
             for m in t.primaries:
                 self.holding[m.request_id] += 1
                 flight.claimed.append(m)
-            claims = await self.store.claim(t.primaries)
+            with tracing.step("claim", t.primaries):
+                claims = await self.store.claim(t.primaries)
             c = classify(t.primaries, claims, self.policy, self.fifo)
             if c.unclaim:
                 await self.store.release(c.unclaim)
             plan.merge(c.plan)
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
-        await self.executor.carry_out(plan, flight)
+        with tracing.step("settle", [*plan.acks, *(r for r, _ in plan.releases)]):
+            await self.executor.carry_out(plan, flight)
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
-        res = await self.store.apply(
-            to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching
-        )
+        with tracing.step("commit", to_apply):
+            res = await self.store.apply(
+                to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching
+            )
         plan = settle(res, self.policy)
         if res.blocked:
             await self.store.release(res.blocked)

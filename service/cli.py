@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.logs import configure_logging
 
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, trace_ids=settings.tracing)
     if args.command == "run":
         from service import app
         from service.handlers import load_handler_modules
@@ -92,7 +92,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
             return EXIT_CONFIG
-        return _run_async(app.run(settings, early_signals=_early_signals))
+        if not settings.tracing:
+            return _run_async(app.run(settings, early_signals=_early_signals))
+        from service import __version__, tracing
+
+        try:
+            tracing.setup(settings.queue_url, __version__)
+        except ImportError as exc:
+            print(f"sqs-ingest: configuration error: INGEST_TRACING: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        try:
+            return _run_async(app.run(settings, early_signals=_early_signals))
+        finally:
+            tracing.shutdown()  # flush the last spans
     if args.command == "migrate":
         return _run_async(_migrate(settings))
     if args.command == "gc":

@@ -13,15 +13,18 @@ from typing import Any
 import orjson
 import structlog
 
+from service import tracing
+
 
 def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
 
 
-def configure_logging(fmt: str = "json", level: str = "info") -> None:
+def configure_logging(fmt: str = "json", level: str = "info", trace_ids: bool = False) -> None:
     lvl = logging.getLevelNamesMapping()[level.upper()]
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        *([tracing.log_trace_ids] if trace_ids else []),
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

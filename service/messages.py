@@ -23,6 +23,10 @@ class Received:
     receive_count: int = 1
     sent_timestamp: float | None = None  # epoch seconds
     group_id: str | None = None
+    # Read only while tracing is on (service.tracing): the string message attributes
+    # (W3C traceparent/tracestate) and the AWSTraceHeader system attribute.
+    attributes: dict[str, str] | None = None
+    trace_header: str | None = None
 
 
 @dataclass(slots=True)

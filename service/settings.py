@@ -46,6 +46,8 @@ class Settings(BaseSettings):
         queue_attributes_interval: seconds between GetQueueAttributes for the depth gauges.
         db_pool_size: PostgreSQL connections.
         log_format / log_level: ``json`` (default) or ``console``.
+        tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
+            the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
@@ -74,6 +76,7 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(10, ge=1, le=200)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tracing: bool = False
 
     @field_validator("database_url")
     @classmethod

@@ -10,6 +10,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
+from service import tracing
 from service.errors import AckFailed, TransientError
 from service.messages import Received
 from service.seams import QueueSeam
@@ -37,6 +38,10 @@ class SqsQueue:
         }
         if visibility_timeout:
             kwargs["VisibilityTimeout"] = visibility_timeout
+        if tracing.enabled():
+            # The producer's trace context: W3C message attributes, X-Ray system attribute.
+            kwargs["MessageAttributeNames"] = ["All"]
+            kwargs["MessageSystemAttributeNames"] = [*RECEIVE_ATTRIBUTES, "AWSTraceHeader"]
         try:
             resp = await self._client.receive_message(**kwargs)
         except (ClientError, BotoCoreError) as exc:
@@ -53,6 +58,9 @@ class SqsQueue:
                     receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
                     sent_timestamp=int(sent) / 1000.0 if sent else None,
                     group_id=attrs.get("MessageGroupId"),
+                    attributes=_strings(m["MessageAttributes"])
+                    if "MessageAttributes" in m else None,
+                    trace_header=attrs.get("AWSTraceHeader"),
                 )
             )
         return out
@@ -110,6 +118,10 @@ class SqsQueue:
             kwargs["MessageGroupId"] = group_id
         resp = await self._client.send_message(**kwargs)
         return str(resp["MessageId"])
+
+
+def _strings(attributes: dict[str, Any]) -> dict[str, str]:
+    return {k: v["StringValue"] for k, v in attributes.items() if "StringValue" in v}
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ from typing import Any
 
 import structlog
 
+from service import tracing
 from service.handlers.context import request_context
 from service.handlers.registry import Registry
 from service.messages import Message
@@ -23,8 +24,11 @@ class Invoker:
     async def one(self, m: Message, conn: Any) -> dict[str, Any] | None:
         spec = self.registry.get(m.type)
         assert spec is not None  # parse() guarantees it
-        with request_context(m.request_id), structlog.contextvars.bound_contextvars(
-            message_id=m.raw.message_id, request_id=m.request_id
+        with (
+            tracing.handler(m),
+            request_context(m.request_id),
+            structlog.contextvars.bound_contextvars(
+                message_id=m.raw.message_id, request_id=m.request_id),
         ):
             async with asyncio.timeout(self.timeout):
                 return await spec.fn(m.payload, conn)
@@ -37,8 +41,9 @@ class Invoker:
     async def many(self, ms: list[Message], conn: Any) -> list[dict[str, Any] | None] | None:
         spec = self.registry.get(ms[0].type)
         assert spec is not None and spec.batch_fn is not None
-        async with asyncio.timeout(self.timeout):
-            return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
+        with tracing.handlers(ms):
+            async with asyncio.timeout(self.timeout):
+                return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
 
     @property
     def batching(self) -> Batching:
