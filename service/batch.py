@@ -24,11 +24,19 @@ from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
 from service.messages import Message, Received
-from service.plan import Plan, classify, describe, settle, settle_failures, triage
+from service.plan import (
+    INVALID_TYPE_LABEL,
+    Plan,
+    classify,
+    describe,
+    settle,
+    settle_failures,
+    triage,
+)
 from service.retry import RetryPolicy
 from service.seams import DeadLetter, QueueSeam, StoreSeam
 from service.settings import SQS_MAX_VISIBILITY
-from service.store import DB_ERRORS
+from service.store import DATA_ERRORS
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -82,16 +90,14 @@ class BatchProcessor:
         finally:
             flight.extender.cancel()
             for m in flight.claimed:
-                self.holding[m.request_id] -= 1
-                if self.holding[m.request_id] <= 0:
-                    del self.holding[m.request_id]
+                self._drop_holding(m.request_id)
             metrics.in_flight.dec(len(batch))
             metrics.batch_duration.observe(time.monotonic() - started)
 
     async def _run_guarded(self, flight: InFlight) -> None:
         """Process; on any failure give back what is unresolved (AckFailed propagates)."""
         try:
-            await self._process(flight)
+            await self._settle_part(flight, flight.batch)
         except DatabaseUnavailable as exc:
             self.health.down(exc)
             await self._give_back(flight, self.policy.hand_back())
@@ -104,18 +110,82 @@ class BatchProcessor:
             await self._give_back(flight, self.policy.hand_back())
         except Exception as exc:
             log.exception("batch_failed", error=repr(exc))
-            try:
-                await flight.stop_extender()
-                await self._give_up_on_repeat_offenders(flight, repr(exc))
-            finally:
-                await self._give_back(flight, self.policy.hand_back())
+            await self._give_back(flight, self.policy.hand_back())
 
     async def _give_back(self, flight: InFlight, delay: int) -> None:
         await flight.stop_extender()
         await self.executor.give_back(flight, delay, self.health.is_up)
 
-    async def _process(self, flight: InFlight) -> None:
-        t = triage(flight.batch, self.registry, self.policy)
+    async def _settle_part(self, flight: InFlight, part: list[Received]) -> None:
+        """Process ``part``. When it fails on a value the database refuses (or while one of
+        its messages keeps failing far beyond the retry limit), split it and run the halves
+        until the message at fault is found alone: only that one is dead-lettered, its
+        neighbours go on in the same receive."""
+        try:
+            await self._process(flight, part)
+        except (TransientError, AckFailed):
+            raise
+        except Exception as exc:
+            left = [m for m in part if m.message_id in flight.unresolved]
+            if not self._worth_bisecting(exc, left):
+                raise
+            await self._unclaim(flight, left)
+            if len(left) == 1:
+                await self._blame(flight, left[0], exc)
+                return
+            log.warning("batch_bisected", size=len(left), error=describe(exc))
+            mid = len(left) // 2
+            for half in (left[:mid], left[mid:]):
+                self._ensure_extender(flight)
+                await self._settle_part(flight, half)
+
+    def _worth_bisecting(self, exc: BaseException, left: list[Received]) -> bool:
+        return bool(left) and (
+            isinstance(exc, DATA_ERRORS)
+            or any(self.policy.repeat_offender(m.receive_count) for m in left)
+        )
+
+    async def _unclaim(self, flight: InFlight, part: list[Received]) -> None:
+        """Give back the claims made for ``part`` so that its halves can claim afresh."""
+        ids = {m.message_id for m in part}
+        mine = [m for m in flight.claimed if m.raw.message_id in ids]
+        await self.store.release(mine)
+        flight.claimed = [m for m in flight.claimed if m.raw.message_id not in ids]
+        for m in mine:
+            self._drop_holding(m.request_id)
+
+    async def _blame(self, flight: InFlight, m: Received, exc: BaseException) -> None:
+        """A message that fails alone: dead-letter it if the database refuses one of its
+        values, or if it has failed far beyond the retry limit; else hand it back."""
+        if isinstance(exc, DATA_ERRORS):
+            reason = "rejected_by_database"
+        elif self.policy.repeat_offender(m.receive_count):
+            reason = "processing_error"
+        else:
+            log.warning("batch_retry_later", message_id=m.message_id, error=describe(exc))
+            await flight.stop_extender()
+            await self.executor.change_visibility([(m, self.policy.hand_back())])
+            flight.resolve([m])
+            return
+        log.error("dead_lettered_at_fault", message_id=m.message_id, reason=reason,
+                  receive_count=m.receive_count, error=describe(exc))
+        plan = Plan()
+        plan.letter(m, DeadLetter.of_received(m, reason, describe(exc)), INVALID_TYPE_LABEL)
+        await self.executor.carry_out(plan, flight)  # AckFailed propagates: exit 3
+
+    def _ensure_extender(self, flight: InFlight) -> None:
+        # A finished half stopped the heartbeat before its acks; the next half needs it.
+        if flight.extender is None or flight.extender.done():
+            flight.extender = asyncio.create_task(
+                self._extend_visibility(flight), name="extender")
+
+    def _drop_holding(self, request_id: str) -> None:
+        self.holding[request_id] -= 1
+        if self.holding[request_id] <= 0:
+            del self.holding[request_id]
+
+    async def _process(self, flight: InFlight, part: list[Received]) -> None:
+        t = triage(part, self.registry, self.policy)
         plan = t.plan
         if t.primaries:
             for m in t.primaries:
@@ -162,27 +232,3 @@ class BatchProcessor:
             total += vt // 2
             metrics.visibility_extensions.inc(len(changes))
             log.info("visibility_extended", count=len(changes), seconds=vt)
-
-    async def _give_up_on_repeat_offenders(self, flight: InFlight, error: str) -> None:
-        """Safety net for a batch that keeps failing outside any handler (a bug, a value
-        the database refuses): a message received far more often than the retry limit is
-        dead-lettered so it cannot stall its neighbours forever."""
-        doomed = [m for m in flight.unresolved.values()
-                  if self.policy.repeat_offender(m.receive_count)]
-        if not doomed or not self.health.is_up:
-            return
-        doomed_ids = {m.message_id for m in doomed}
-        try:
-            await self.store.release([m for m in flight.claimed
-                                      if m.raw.message_id in doomed_ids])
-            await self.store.dead_letter([
-                DeadLetter.of_received(m, "processing_error", error[:2000]) for m in doomed])
-        except DB_ERRORS as exc:
-            log.warning("dead_letter_failed", error=str(exc))
-            return
-        await self.executor.queue.delete_batch(doomed)  # AckFailed propagates: exit 3
-        flight.resolve(doomed)
-        for m in doomed:
-            metrics.dead_letters.labels("processing_error").inc()
-            log.error("dead_lettered_processing_error", message_id=m.message_id,
-                      receive_count=m.receive_count, error=error)

@@ -11,6 +11,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from service.handlers.registry import Registry
+from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,15 @@ def parse(raw: Received, registry: Registry) -> Message | Poison:
             return Poison(raw, "invalid_envelope", f"sent_at: {exc}", request_id, mtype)
     if "\x00" in request_id or "\x00" in mtype:
         return Poison(raw, "invalid_envelope", "request_id/type contain a NUL character")
+    if len(request_id) > INDEXED_TEXT_MAX_CHARS:
+        # A unique-index entry that large fails the whole batch's claim statement.
+        return Poison(raw, "request_id_too_long",
+                      f"request_id has {len(request_id)} characters, at most "
+                      f"{INDEXED_TEXT_MAX_CHARS} are accepted")
+    if len(mtype) > TYPE_MAX_CHARS:
+        return Poison(raw, "type_too_long",
+                      f"type has {len(mtype)} characters, at most {TYPE_MAX_CHARS} are accepted",
+                      request_id)
     canonical = canonical_json(payload)
     if b"\\u0000" in canonical:
         # PostgreSQL's jsonb cannot store U+0000: it would fail the whole batch's claim.

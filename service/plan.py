@@ -154,7 +154,8 @@ def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
 
 
 def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    """A storable one-line error: PostgreSQL text cannot hold NUL, so neither may this."""
+    return f"{type(exc).__name__}: {exc}".replace("\x00", "\\x00")[:2000]
 
 
 def settle_failures(

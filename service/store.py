@@ -31,8 +31,8 @@ from service.seams import (
 from service.sql import queries
 
 __all__ = [
-    "CONNECTION_ERRORS", "DB_ERRORS", "ApplyResult", "BatchCall", "BatchKey", "ClaimResult",
-    "DeadLetter", "HandlerCall", "Store", "StoreSeam", "claim", "create_pool",
+    "CONNECTION_ERRORS", "DATA_ERRORS", "DB_ERRORS", "ApplyResult", "BatchCall", "BatchKey",
+    "ClaimResult", "DeadLetter", "HandlerCall", "Store", "StoreSeam", "claim", "create_pool",
 ]
 
 Q = queries()
@@ -46,6 +46,12 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
     asyncpg.TooManyConnectionsError,
+)
+
+#: The database refused a value (SQLSTATE class 22 data exception, 54 program limit
+#: exceeded, e.g. an index entry too large): the fault of a message, not of the batch.
+DATA_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.DataError, asyncpg.ProgramLimitExceededError
 )
 
 #: What the worker treats as "the database call failed" (outage or server-side error).

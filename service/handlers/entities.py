@@ -11,20 +11,21 @@ from typing import Any
 
 import asyncpg
 import orjson
-from pydantic import BaseModel, StrictInt, StrictStr
+from pydantic import BaseModel
 
 from service.handlers.registry import batch_handler, handler
+from service.limits import IndexedText, Int64
 
 
 class EntityUpsert(BaseModel):
-    entity_id: StrictStr
-    version: StrictInt
+    entity_id: IndexedText  # the primary key of ``entities``
+    version: Int64  # ``bigint``
     data: dict[str, Any]
 
 
 class EntityDelete(BaseModel):
-    entity_id: StrictStr
-    version: StrictInt
+    entity_id: IndexedText
+    version: Int64
 
 
 _UPSERT = """

@@ -1,0 +1,25 @@
+"""What PostgreSQL would refuse, checked at the door: the lengths and ranges a message may
+carry, so that one hostile value becomes one poison message instead of a failed batch.
+
+A B-tree index entry must fit in about a third of a page (2,704 bytes with the default
+8 kB page); text is UTF-8, up to 4 bytes per character, so an indexed string of at most
+512 characters (≤ 2,048 bytes) always fits, with room for the tuple header. Use the
+``IndexedText`` and ``Int64`` types in your own payload models for the same guarantee.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, StrictInt, StrictStr
+
+#: Characters of a string stored in a unique/primary-key index (request_id, entity_id).
+INDEXED_TEXT_MAX_CHARS = 512
+#: Characters of a message type (not indexed, but a type name is short by nature).
+TYPE_MAX_CHARS = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+#: A string that fits a B-tree index entry whatever its characters.
+IndexedText = Annotated[StrictStr, Field(max_length=INDEXED_TEXT_MAX_CHARS)]
+#: An integer that fits PostgreSQL's ``bigint``.
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]

@@ -1,0 +1,116 @@
+"""One hostile message among neighbours, over the fakes: a statement that fails on a
+value is bisected down to the message at fault; its neighbours finish in the same receive."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from service.handlers import Registry
+from service.messages import Message, parse
+from service.seams import ClaimResult
+from service.testing import FakeQueue, FakeStore
+from tests.unit.test_worker import Harness, body, settings, until
+
+
+class Note(BaseModel):
+    n: int
+
+
+class RefusingStore(FakeStore):
+    """A store whose claim statement fails, like PostgreSQL on an index entry too large,
+    whenever the batch holds a request_id starting with "hostile"."""
+
+    claims: list[list[str]]
+
+    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+        self.claims.append([m.request_id for m in messages])
+        if any(m.request_id.startswith("hostile") for m in messages):
+            raise asyncpg.exceptions.ProgramLimitExceededError(
+                "index row size 5016 exceeds btree version 4 maximum 2704")
+        return await super().claim(messages)
+
+
+@pytest.fixture
+def registry() -> Registry:
+    r = Registry()
+
+    async def note(p: Note, conn: Any) -> dict[str, int]:
+        return {"n": p.n}
+
+    r.register("note", Note, note)
+    return r
+
+
+async def test_a_refused_value_costs_only_its_own_message(registry: Registry) -> None:
+    q = FakeQueue()
+    ids = [q.send(body(f"r{i}", i)) for i in range(4)]
+    hostile = q.send(body("hostile-1", 99))
+    ids += [q.send(body(f"r{i}", i)) for i in range(4, 9)]
+    h = Harness(settings(pollers=1), registry, q)
+    h.store = RefusingStore(h.store.worker_id, h.store.db)
+    h.store.claims = []
+    h.worker = type(h.worker)(h.worker.s, q, h.store, registry, visibility_timeout=30,
+                              rng=lambda: 0.0)
+    async with h:
+        await until(lambda: not q.messages, "every message settled")
+    letter = h.store.dead[hostile]
+    assert (letter.reason, letter.body) == ("rejected_by_database", body("hostile-1", 99))
+    assert "index row size" in (letter.error or "")
+    assert sorted(h.store.rows) == sorted(f"r{i}" for i in range(9))
+    assert {r.status for r in h.store.rows.values()} == {"COMPLETED"}
+    assert len(h.store.dead) == 1  # no neighbour dead-lettered
+    assert q.visibility_calls == []  # nobody was handed back: all settled in one receive
+    # A bisection of 10 down to 1: at most 2 * ceil(log2(10)) + 1 claim statements.
+    assert len(h.store.claims) <= 9, h.store.claims
+
+
+async def test_a_message_that_keeps_failing_alone_is_the_only_one_dead_lettered(
+    registry: Registry,
+) -> None:
+    """The repeat-offender net: only the message that fails on its own is taken; its
+    neighbours from the same batch complete."""
+    q = FakeQueue()
+    for i in range(3):
+        q.send(body(f"r{i}", i))
+    bad = q.send(body("boom", 7))
+    for m in q.messages.values():
+        m.receive_count = 20  # all received far beyond the retry limit already
+
+    class Buggy(FakeStore):
+        async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+            if any(m.request_id == "boom" for m in messages):
+                raise RuntimeError("a bug that only this message triggers")
+            return await super().claim(messages)
+
+    store = Buggy()
+    h = Harness(settings(pollers=1), registry, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, registry, visibility_timeout=30,
+                              rng=lambda: 0.0)
+    async with h:
+        await until(lambda: not q.messages, "every message settled")
+    assert [(k, d.reason) for k, d in store.dead.items()] == [(bad, "processing_error")]
+    assert sorted(store.rows) == ["r0", "r1", "r2"]
+
+
+def test_limits_at_the_door_name_the_field(registry: Registry) -> None:
+    from service.messages import Received
+
+    def reason(doc: dict[str, Any]) -> tuple[str, str]:
+        p = parse(Received("m", "rh", json.dumps(doc)), registry)
+        assert not isinstance(p, Message)
+        return p.reason, p.error
+
+    long_id = "x" * 513
+    assert reason({"request_id": long_id, "type": "note", "payload": {"n": 1}}) == (
+        "request_id_too_long", "request_id has 513 characters, at most 512 are accepted")
+    assert reason({"request_id": "r", "type": "t" * 257, "payload": {}})[0] == "type_too_long"
+    ok = parse(Received("m", "rh", json.dumps(
+        {"request_id": "é" * 512, "type": "note", "payload": {"n": 1}})), registry)
+    assert isinstance(ok, Message)  # 512 characters of 2 bytes each still fit
