@@ -98,6 +98,8 @@ class BatchProcessor:
         """Process; on any failure give back what is unresolved (AckFailed propagates)."""
         try:
             await self._settle_part(flight, flight.batch)
+        except AckFailed:
+            raise  # exit 3 (run): never handled like a failed batch
         except DatabaseUnavailable as exc:
             self.health.down(exc)
             await self._give_back(flight, self.policy.hand_back())
