@@ -359,7 +359,11 @@ def test_dockerfile_contract() -> None:
     recon = text[text.index("AS reconcile\n") : text.index("AS runtime")]
     for pkg in ("openjdk-17-jre-headless", "libpostgresql-jdbc-java"):
         assert pkg in recon
-    assert "[reconcile]" in text
+    # The reconcile extra goes into the reconcile image only, the daemon venv is trimmed.
+    assert "['optional-dependencies']['reconcile']" in text
+    builder = text[text.index("AS builder\n") : text.index("AS builder-reconcile")]
+    assert "requirements-reconcile" not in builder
+    assert "pip uninstall -y -q pip setuptools" in builder
     assert re.search(r"^USER 10001", recon, re.M)
 
 
