@@ -26,7 +26,7 @@ class Received:
     group_id: str | None = None
     # Read only while tracing is on (service.tracing): the string message attributes
     # (W3C traceparent/tracestate) and the AWSTraceHeader system attribute.
-    attributes: dict[str, str] | None = None
+    attributes: dict[str, str] | None = field(default=None, hash=False, compare=False)
     trace_header: str | None = None
 
 

@@ -76,12 +76,17 @@ def setup(queue_url: str, version: str = "") -> None:
         resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # Global too: spans that handlers (or instrumented libraries) start with
+    # opentelemetry.trace.get_tracer() nest under the handler span and leave with ours.
+    from opentelemetry import trace
+
+    trace.set_tracer_provider(provider)
     install(provider, queue_url)
 
 
 def install(provider: Any, queue_url: str) -> None:
     """Trace through ``provider`` (a ``TracerProvider``; tests pass one with an in-memory
-    exporter). The global provider is left alone: the daemon owns only its own spans."""
+    exporter). Unlike ``setup``, the global provider is left alone."""
     global _state
     _state = _Tracing(provider, queue_url)
 

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 LOGGING_HANDLER = '''
 import structlog
+from opentelemetry import trace
 from pydantic import BaseModel
 
 from service.handlers import handler
@@ -42,7 +43,8 @@ class Note(BaseModel):
 
 @handler("test.note", Note)
 async def note(payload, conn):
-    log.info("test_handled", text=payload.text)
+    with trace.get_tracer("test-handler").start_as_current_span("own_work"):
+        log.info("test_handled", text=payload.text)
     return None
 '''
 
@@ -126,6 +128,9 @@ def test_daemon_exports_spans_over_otlp_and_logs_trace_ids(
             daemon.proc.kill()
             daemon.wait(10)
     assert int.from_bytes(span_pb.trace_id, "big") == producer_trace
+    # A span the handler starts itself (global tracer provider) nests under the handler span.
+    (own,) = [s for _, s in collector.spans if s.name == "own_work"]
+    assert own.trace_id == span_pb.trace_id and own.parent_span_id == span_pb.span_id
     resources = {r.get("service.name") for r, _ in collector.spans}
     assert resources == {"sqs-ingest"}
     names = {s.name for _, s in collector.spans}
