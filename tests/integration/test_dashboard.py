@@ -28,6 +28,7 @@ from tests.acceptance.harness import Daemon, daemon_env, send_all, upsert, wait_
 from tests.integration.dashboard_png import render
 from tests.integration.test_prometheus import PROMETHEUS, REPO, Prometheus, prometheus
 from tests.servers import free_port, wait_until
+from tests.skips import unavailable
 
 DASHBOARD = REPO / "deploy/grafana/sqs-ingest.json"
 
@@ -159,14 +160,15 @@ def reconcile_registry() -> Any:
     return run.registry
 
 
-@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
-                    reason=f"prometheus binary not found at {PROMETHEUS}")
 @pytest.mark.timeout(240)
 def test_every_panel_query_returns_real_data(
     tmp_path: Path, database_url: str, queue_url: str, sqs_endpoint: str, sqs_client: Any,
 ) -> None:
     from prometheus_client import start_http_server
 
+    if not os.access(PROMETHEUS, os.X_OK):
+        unavailable(f"prometheus binary at {PROMETHEUS}",
+                    "apt-get install prometheus; scripts/install.sh does")
     dashboard = json.loads(DASHBOARD.read_text())
     mods, flaky_dir = tmp_path / "mods", tmp_path / "flaky"
     mods.mkdir()
