@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from tests.deploy.test_static import K8S_VERSIONS, _k8s_validate
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy/grafana"
 
@@ -45,6 +47,11 @@ def test_configmap_carries_the_dashboard_for_the_sidecar() -> None:
     assert cm["kind"] == "ConfigMap"
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["sqs-ingest.json"]) == _dashboard()
+    # Same schema check as the kustomize base (K8S_VERSIONS: oldest supported and latest).
+    for version in K8S_VERSIONS:
+        _k8s_validate(cm, version)
+    # kubectl apply keeps a copy in an annotation, limited to 256 KiB.
+    assert len(cm["data"]["sqs-ingest.json"]) < 256 * 1024
 
 
 def test_layout_and_datasource() -> None:
