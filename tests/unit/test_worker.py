@@ -52,6 +52,31 @@ async def until(pred: Callable[[], bool], what: str, timeout: float = 10) -> Non
         await asyncio.sleep(0.01)
 
 
+class RecordingQueue(FakeQueue):
+    """FakeQueue that logs when receives start and how many are in progress, so tests can
+    wait for "no poll in flight" and check that none started after a given moment."""
+
+    def __init__(self, fifo: bool = False) -> None:
+        super().__init__(fifo)
+        self.events: list[str] = []
+        self.receiving = 0
+
+    async def receive(self, *args: Any, **kwargs: Any) -> Any:
+        self.events.append("receive")
+        self.receiving += 1
+        try:
+            return await super().receive(*args, **kwargs)
+        finally:
+            self.receiving -= 1
+
+    async def delete_batch(self, messages: Any) -> None:
+        try:
+            await super().delete_batch(messages)
+        except Exception:
+            self.events.append("delete_failed")
+            raise
+
+
 class Harness:
     def __init__(self, s: Settings, registry: Registry, queue: FakeQueue) -> None:
         self.queue = queue
@@ -129,7 +154,7 @@ async def test_reused_key_with_other_payload_is_dead_lettered(harness: Harness, 
 
 
 async def test_ack_failure_exits_3_and_stops_receiving(registry: Registry, calls: list[int]) -> None:
-    q = FakeQueue()
+    q = RecordingQueue()
     mid = q.send(body("r1", 1))
     q.fail_delete_ids.add(mid)
     async with Harness(settings(), registry, q) as h:
@@ -138,9 +163,9 @@ async def test_ack_failure_exits_3_and_stops_receiving(registry: Registry, calls
     assert code == EXIT_ACK_FAILED
     assert calls == [1]  # the effect is committed...
     assert mid in q.messages  # ...the message is still there, for the restart to resolve
-    q.send(body("r2", 2))
-    await asyncio.sleep(0.2)
-    assert calls == [1]  # nothing received after the failure
+    # No poll began after the failed delete (polls already waiting were cancelled).
+    failed_at = q.events.index("delete_failed")
+    assert "receive" not in q.events[failed_at + 1:], q.events
 
 
 async def test_transient_failure_backs_off_then_dead_letters(harness: Harness) -> None:
@@ -193,18 +218,33 @@ async def test_fifo_failure_blocks_later_messages_of_its_group(registry: Registr
         assert "a3" not in h.store.rows  # its claim was released
 
 
-async def test_database_outage_stops_receiving_then_resumes(harness: Harness, calls: list[int]) -> None:
-    q = harness.queue
+async def test_database_outage_stops_receiving_then_resumes(registry: Registry, calls: list[int]) -> None:
+    q = RecordingQueue()
+    async with Harness(settings(), registry, q) as harness:
+        await outage_then_recovery(harness, q, calls)
+
+
+async def outage_then_recovery(harness: Harness, q: RecordingQueue, calls: list[int]) -> None:
+    pings = 0
+    real_ping = harness.store.ping
+
+    async def counting_ping() -> None:
+        nonlocal pings
+        pings += 1
+        await real_ping()
+
+    harness.store.ping = counting_ping  # type: ignore[method-assign]
+    await until(lambda: harness.worker.readiness()[0], "ready before the outage")
     harness.store.db.down = True
     mid = q.send(body("r1", 1))
     await until(lambda: not harness.worker.readiness()[0], "not ready")
-    # The first batch failed on the claim and was released; no new receive while down.
-    await until(lambda: q.messages[mid].receive_count >= 1, "received once")
-    await asyncio.sleep(1.2)  # polls already in flight (wait_time 1 s) return
+    # A poll already waiting may have taken the message (its claim failed: released).
+    await until(lambda: q.receiving == 0, "polls already in flight returned")
     q.messages[mid].visible_at = 0
-    count = q.messages[mid].receive_count
-    await asyncio.sleep(0.3)
-    assert q.messages[mid].receive_count == count
+    receives, seen_pings = q.events.count("receive"), pings
+    # Two more reconnection probes while the message sits visible: still no receive.
+    await until(lambda: pings >= seen_pings + 2, "two more database probes")
+    assert q.events.count("receive") == receives
     harness.store.db.down = False
     await until(lambda: not q.messages, "processed after recovery")
     assert calls == [1]
