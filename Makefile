@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile clean
+.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile clean fuzz
 
 install:
 	scripts/install.sh
@@ -33,6 +33,10 @@ test-fast: install
 ## make bench [N=20000] [LATENCY_MS=20] [SOAK=600]: ceiling vs naive vs daemon, side by side
 bench: install
 	$(PY) bench/throughput.py
+
+## make fuzz [FUZZ_EXAMPLES=2000] [FUZZ_SEED=16]: the hostile-body fuzzer with a larger budget
+fuzz: install
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-2000} $(PY) -m pytest -q -s tests/integration/test_fuzz.py
 
 test-reconcile: install
 	$(PY) -m pytest -q tests/reconcile

@@ -23,3 +23,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 IndexedText = Annotated[StrictStr, Field(max_length=INDEXED_TEXT_MAX_CHARS)]
 #: An integer that fits PostgreSQL's ``bigint``.
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def storable(text: str | None) -> str | None:
+    """PostgreSQL ``text`` cannot hold U+0000: escape it in values we only record (error
+    messages, a poison message's request_id), so that recording them never fails."""
+    return text.replace("\x00", "\\x00") if text is not None and "\x00" in text else text

@@ -102,7 +102,13 @@ def parse(raw: Received, registry: Registry) -> Message | Poison:
         return Poison(raw, "type_too_long",
                       f"type has {len(mtype)} characters, at most {TYPE_MAX_CHARS} are accepted",
                       request_id)
-    canonical = canonical_json(payload)
+    try:
+        canonical = canonical_json(payload)
+    except orjson.JSONEncodeError as exc:
+        # orjson reads 1,024 levels of nesting but writes only 254: without this a payload
+        # between the two would raise out of parse() and fail its whole batch.
+        return Poison(raw, "invalid_payload", f"payload cannot be stored: {exc}",
+                      request_id, mtype)
     if b"\\u0000" in canonical:
         # PostgreSQL's jsonb cannot store U+0000: it would fail the whole batch's claim.
         return Poison(raw, "invalid_payload", "payload contains a NUL character (\\u0000)",

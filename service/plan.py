@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from service.handlers import Registry
+from service.limits import storable
 from service.messages import Message, Poison, Received, parse
 from service.retry import RetryPolicy
 from service.seams import ApplyResult, ClaimResult, DeadLetter
@@ -154,8 +155,8 @@ def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
 
 
 def describe(exc: BaseException) -> str:
-    """A storable one-line error: PostgreSQL text cannot hold NUL, so neither may this."""
-    return f"{type(exc).__name__}: {exc}".replace("\x00", "\\x00")[:2000]
+    """A storable one-line error (recorded in retry_attempts and dead_letters)."""
+    return storable(f"{type(exc).__name__}: {exc}")[:2000]  # type: ignore[index]
 
 
 def settle_failures(

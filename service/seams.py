@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from service.limits import storable
 from service.messages import Message, Poison, Received
 
 
@@ -51,21 +52,22 @@ class DeadLetter:
 
     @classmethod
     def of_poison(cls, p: Poison) -> DeadLetter:
+        # A poison message's request_id/type are whatever the producer sent (NUL too).
         return cls(
-            p.raw.message_id, p.raw.body, p.reason, p.error, p.request_id, p.type,
-            p.raw.receive_count,
+            p.raw.message_id, p.raw.body, p.reason, storable(p.error), storable(p.request_id),
+            storable(p.type), p.raw.receive_count,
         )
 
     @classmethod
     def of_message(cls, m: Message, reason: str, error: str) -> DeadLetter:
         return cls(
-            m.raw.message_id, m.raw.body, reason, error, m.request_id, m.type,
+            m.raw.message_id, m.raw.body, reason, storable(error), m.request_id, m.type,
             m.raw.receive_count,
         )
 
     @classmethod
     def of_received(cls, r: Received, reason: str, error: str) -> DeadLetter:
-        return cls(r.message_id, r.body, reason, error, None, None, r.receive_count)
+        return cls(r.message_id, r.body, reason, storable(error), None, None, r.receive_count)
 
 
 HandlerCall = Callable[[Message, Any], Awaitable[dict[str, Any] | None]]

@@ -114,3 +114,14 @@ def test_limits_at_the_door_name_the_field(registry: Registry) -> None:
     ok = parse(Received("m", "rh", json.dumps(
         {"request_id": "é" * 512, "type": "note", "payload": {"n": 1}})), registry)
     assert isinstance(ok, Message)  # 512 characters of 2 bytes each still fit
+
+
+def test_a_payload_too_deep_to_write_back_is_poison_not_a_crash(registry: Registry) -> None:
+    """Found by the fuzzer: orjson reads 1,024 levels but writes 254; parse() raised."""
+    from service.messages import Poison, Received
+
+    deep = "[" * 300 + "0" + "]" * 300
+    b = '{"request_id": "r", "type": "note", "payload": {"n": 1, "x": ' + deep + "}}"
+    p = parse(Received("m", "rh", b), registry)
+    assert isinstance(p, Poison) and p.reason == "invalid_payload"
+    assert "Recursion limit" in p.error
