@@ -8,6 +8,13 @@ PG_PORT=${PG_PORT:-55432}
 SQS_PORT=${SQS_PORT:-4566}
 QUEUE=${QUEUE:-sqs-ingest-dev}
 mkdir -p "$RUN"
+# As root, PostgreSQL runs as user postgres, who may not be able to enter the checkout (a
+# clone under /root, a `mktemp -d`): its data then lives in a directory of its own outside,
+# one per checkout. A cluster already made in .run/pg by an earlier version is kept.
+PG_DIR=${PG_DIR:-$RUN/pg}
+if [ "$(id -u)" = 0 ] && [ ! -d "$RUN/pg/data" ]; then
+  PG_DIR=/var/tmp/sqs-ingest-$(printf %s "$PWD" | sha256sum | cut -c1-12)/pg
+fi
 
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1; }
 BIN=$(pg_bin)
@@ -17,14 +24,14 @@ DB_USER=$([ "$(id -u)" = 0 ] && echo postgres || id -un)
 case "${1:-start}" in
 start)
   if ! pg_isready -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null; then
-    if [ ! -d "$RUN/pg/data" ]; then
-      mkdir -p "$RUN/pg/sock"
-      [ "$(id -u)" = 0 ] && chown -R postgres:postgres "$RUN/pg"
-      as_pg "$BIN/initdb" -A trust -U "$DB_USER" -D "$RUN/pg/data" >/dev/null
+    if [ ! -d "$PG_DIR/data" ]; then
+      mkdir -p "$PG_DIR/sock"
+      [ "$(id -u)" = 0 ] && chown -R postgres:postgres "$PG_DIR"
+      as_pg "$BIN/initdb" -A trust -U "$DB_USER" -D "$PG_DIR/data" >/dev/null
     fi
-    as_pg "$BIN/pg_ctl" -w -D "$RUN/pg/data" -l "$RUN/pg/server.log" start \
-      -o "-p $PG_PORT -k $RUN/pg/sock -c listen_addresses=127.0.0.1" >/dev/null
-    echo "postgresql started on 127.0.0.1:$PG_PORT"
+    as_pg "$BIN/pg_ctl" -w -D "$PG_DIR/data" -l "$PG_DIR/server.log" start \
+      -o "-p $PG_PORT -k $PG_DIR/sock -c listen_addresses=127.0.0.1" >/dev/null
+    echo "postgresql started on 127.0.0.1:$PG_PORT (data in $PG_DIR)"
   else
     echo "postgresql already up on 127.0.0.1:$PG_PORT"
   fi
@@ -34,7 +41,9 @@ start)
 
   http_ok() { .venv/bin/python -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=1)" "$1" >/dev/null 2>&1; }
   if ! http_ok "http://127.0.0.1:$SQS_PORT/moto-api/"; then
-    nohup .venv/bin/moto_server -H 127.0.0.1 -p "$SQS_PORT" >"$RUN/moto.log" 2>&1 &
+    # Its own session: Ctrl-C on `make run` (SIGINT to the terminal's process group) stops
+    # the daemon, not the emulator that stays up for next time.
+    setsid .venv/bin/moto_server -H 127.0.0.1 -p "$SQS_PORT" >"$RUN/moto.log" 2>&1 </dev/null &
     echo $! >"$RUN/moto.pid"
     for _ in $(seq 1 100); do
       http_ok "http://127.0.0.1:$SQS_PORT/moto-api/" && break
@@ -62,7 +71,7 @@ ENV
 stop)
   [ -f "$RUN/moto.pid" ] && kill "$(cat "$RUN/moto.pid")" 2>/dev/null || true
   rm -f "$RUN/moto.pid"
-  [ -d "$RUN/pg/data" ] && as_pg "$BIN/pg_ctl" -w -D "$RUN/pg/data" stop -m fast >/dev/null || true
+  [ -d "$PG_DIR/data" ] && as_pg "$BIN/pg_ctl" -w -D "$PG_DIR/data" stop -m fast >/dev/null || true
   echo "stopped"
   ;;
 *) echo "usage: $0 start|stop" >&2; exit 64 ;;
