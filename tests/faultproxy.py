@@ -13,6 +13,7 @@ own event loop, so the daemon under test can be a separate process.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 from typing import Any
@@ -32,8 +33,12 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.mode: str | None = None
         self.latency_ms = latency_ms
-        self.faults_injected = 0
+        self.faults_injected = 0  # delete calls answered with a fault (not merely forwarded)
+        self.failed_receipts: list[str] = []  # receipt handles the caller was told failed
+        self.message_ids: dict[str, str] = {}  # receipt handle → MessageId, from receives
         self.requests = 0
+        #: requests being served now, by action (e.g. "ReceiveMessage": long polls in flight)
+        self.in_flight: collections.Counter[str] = collections.Counter()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -78,35 +83,59 @@ class FaultProxy:
             return resp.status, keep, out
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        action = request.headers.get("X-Amz-Target", "").rpartition(".")[2]
+        self.in_flight[action] += 1
+        try:
+            return await self._serve(request)
+        finally:
+            self.in_flight[action] -= 1
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
         body = await request.read()
         if self.latency_ms:
             await asyncio.sleep(self.latency_ms / 1000)
         target = request.headers.get("X-Amz-Target", "")
         mode = self.mode
-        if mode and target in DELETE_ACTIONS:
+        if mode in ("refuse", "lie") and target in DELETE_ACTIONS:
             self.faults_injected += 1
+            self.failed_receipts.extend(_receipts(body))
             if mode == "refuse":
                 return _error(500, "InternalError", "injected: delete refused")
-            if mode == "lie":
-                await self._forward(request, body)
-                return _error(500, "InternalError", "injected: delete done, answered 500")
-            if mode == "partial" and target == "AmazonSQS.DeleteMessageBatch":
-                doc = json.loads(body)
-                entries = doc["Entries"]
-                failed, rest = entries[0], entries[1:]
-                ok: list[dict[str, Any]] = []
-                if rest:
-                    doc["Entries"] = rest
-                    status, _, out = await self._forward(request, json.dumps(doc).encode())
-                    ok = json.loads(out).get("Successful", []) if status == 200 else []
-                return web.json_response(
-                    {"Successful": ok, "Failed": [{"Id": failed["Id"], "SenderFault": False,
-                                                   "Code": "InternalError",
-                                                   "Message": "injected: entry failed"}]},
-                    content_type="application/x-amz-json-1.0")
+            await self._forward(request, body)
+            return _error(500, "InternalError", "injected: delete done, answered 500")
+        if mode == "partial" and target == "AmazonSQS.DeleteMessageBatch":
+            # A single DeleteMessage is forwarded untouched: "partial" fails one batch entry.
+            doc = json.loads(body)
+            failed, rest = doc["Entries"][0], doc["Entries"][1:]
+            self.faults_injected += 1
+            self.failed_receipts.append(failed["ReceiptHandle"])
+            ok: list[dict[str, Any]] = []
+            if rest:
+                doc["Entries"] = rest
+                status, _, out = await self._forward(request, json.dumps(doc).encode())
+                ok = json.loads(out).get("Successful", []) if status == 200 else []
+            return web.json_response(
+                {"Successful": ok, "Failed": [{"Id": failed["Id"], "SenderFault": False,
+                                               "Code": "InternalError",
+                                               "Message": "injected: entry failed"}]},
+                content_type="application/x-amz-json-1.0")
         status, headers, out = await self._forward(request, body)
+        if target == "AmazonSQS.ReceiveMessage" and status == 200:
+            for m in json.loads(out).get("Messages", []):
+                self.message_ids[m["ReceiptHandle"]] = m["MessageId"]
         return web.Response(status=status, body=out, headers=headers)
+
+    def failed_message_ids(self) -> set[str]:
+        """MessageIds of the deletes the caller was told failed."""
+        return {self.message_ids[r] for r in self.failed_receipts}
+
+
+def _receipts(body: bytes) -> list[str]:
+    doc = json.loads(body)
+    if "Entries" in doc:
+        return [e["ReceiptHandle"] for e in doc["Entries"]]
+    return [doc["ReceiptHandle"]]
 
 
 def _error(status: int, code: str, message: str) -> web.Response:

@@ -121,9 +121,10 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
     port = free_port()
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    # moto_server plus a fix of its FIFO redelivery order (see tests/moto_fifo.py).
     proc = subprocess.Popen(
-        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, str(Path(__file__).with_name("moto_fifo.py")), "-H", "127.0.0.1",
+         "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

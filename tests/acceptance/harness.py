@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,51 @@ class Workload:
             if eid not in state or ver > state[eid][0]:
                 state[eid] = (ver, kind == "entity.delete")
         return state
+
+
+def fifo_ledger(w: Workload, groups: int, per_group: int, prefix: str = "f") -> list[tuple[str, str]]:
+    """A FIFO workload of ledger appends: (group, body) in send order, groups interleaved,
+    ``seq`` rising within each group; recorded in ``w`` for check_invariants."""
+    rng = random.Random(f"{w.seed}-{prefix}")
+    nxt = dict.fromkeys((f"{prefix}g{g}" for g in range(groups)), 0)
+    out: list[tuple[str, str]] = []
+    while any(n < per_group for n in nxt.values()):
+        group = rng.choice([g for g, n in nxt.items() if n < per_group])
+        nxt[group] += 1
+        rid = f"{group}-{nxt[group]}"
+        w.valid[rid] = ("ledger.append", group, nxt[group])
+        out.append((group, ledger(rid, group, nxt[group])))
+    return out
+
+
+def send_fifo(sqs: Any, queue_url: str, items: list[tuple[str, str]]) -> None:
+    """Send (group, body) pairs in order; each send is its own deduplication id, so a body
+    sent twice is delivered twice."""
+    for start in range(0, len(items), 10):
+        chunk = items[start:start + 10]
+        resp = sqs.send_message_batch(QueueUrl=queue_url, Entries=[
+            {"Id": str(i), "MessageBody": b, "MessageGroupId": g,
+             "MessageDeduplicationId": uuid.uuid4().hex}
+            for i, (g, b) in enumerate(chunk)])
+        assert not resp.get("Failed"), resp
+
+
+def in_flight(sqs: Any, queue_url: str) -> int:
+    """Messages received and neither deleted nor visible again."""
+    a = sqs.get_queue_attributes(QueueUrl=queue_url,
+                                 AttributeNames=["ApproximateNumberOfMessagesNotVisible"])
+    return int(a["Attributes"]["ApproximateNumberOfMessagesNotVisible"])
+
+
+def log_events(d: Daemon, event: str) -> list[dict[str, Any]]:
+    """The JSON log entries of every incarnation of ``d`` with this event name."""
+    out = []
+    for line in d.full_logs().splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            if entry.get("event") == event:
+                out.append(entry)
+    return out
 
 
 def send_all(sqs: Any, queue_url: str, bodies: list[str]) -> None:
