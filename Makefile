@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile clean fuzz
+.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile clean mutation fuzz
 
 install:
 	scripts/install.sh
@@ -38,6 +38,11 @@ bench: install
 fuzz: install
 	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-2000} $(PY) -m pytest -q -s tests/integration/test_fuzz.py
 
+## make mutation: mutmut over the exactly-once modules with unit + store tests (slow; not in
+## make test). Config: [tool.mutmut] in pyproject.toml; survivors: docs/mutation.md
+mutation: install
+	rm -rf mutants; $(VENV)/bin/mutmut run; status=$$?; $(VENV)/bin/mutmut results; exit $$status
+
 test-reconcile: install
 	$(PY) -m pytest -q tests/reconcile
 
@@ -50,4 +55,4 @@ lint: install
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf .run .pytest_cache
+	rm -rf .run .pytest_cache mutants

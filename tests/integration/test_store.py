@@ -456,3 +456,119 @@ class CountingInvoker(Invoker):
     async def many(self, ms: list[Message], conn: Any) -> Any:
         self.batched += 1
         return await super().many(ms, conn)
+
+
+async def test_worker_lifecycle_heartbeat_stop_and_own_leaks(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """Heartbeat refreshes only a running worker; stop releases exactly its own claims;
+    gc_own_leaks releases only its old claims that no batch holds."""
+    a = await registered(pool, "w-a")
+    b = await registered(pool, "w-b")
+    await db.execute("UPDATE workers SET heartbeat_at = now() - interval '1 hour'")
+    assert await a.heartbeat() is True
+    beats = {r["worker_id"]: r["fresh"] for r in await db.fetch(
+        "SELECT worker_id, heartbeat_at > now() - interval '1 minute' AS fresh FROM workers")}
+    assert beats == {"w-a": True, "w-b": False}  # only the caller's own row
+
+    await a.claim([msg("a1"), msg("a2"), msg("held"), msg("young")])
+    await b.claim([msg("b1")])
+    await db.execute("UPDATE modifications SET received_at = now() - interval '1 minute'"
+                     " WHERE request_id <> 'young'")
+    assert sorted(await a.gc_own_leaks(["held"])) == ["a1", "a2"]  # not held, not young, not b's
+    owners = {r["request_id"]: r["owner"] for r in await db.fetch(
+        "SELECT request_id, owner FROM modifications")}
+    assert owners == {"held": "w-a", "young": "w-a", "b1": "w-b"}
+
+    assert await a.stop_worker() == 2  # held + young, never b1
+    owners = {r["request_id"]: r["owner"] for r in await db.fetch(
+        "SELECT request_id, owner FROM modifications")}
+    assert owners == {"b1": "w-b"}
+    stopped = {r["worker_id"]: r["stopped_at"] is not None for r in await db.fetch(
+        "SELECT worker_id, stopped_at FROM workers")}
+    assert stopped == {"w-a": True, "w-b": False}
+    assert await a.heartbeat() is False  # stopped: its claims may be collected
+    assert await b.heartbeat() is True
+
+
+async def test_ping_and_schema_check_against_the_real_database(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    from service.errors import DatabaseUnavailable
+    from service.migrate import SchemaBehind
+
+    a = Store(pool, "w-a")
+    await a.ping()
+    await a.check_schema()  # migrated template: current
+    await db.execute("DELETE FROM ingest_schema_migrations")
+    with pytest.raises(SchemaBehind, match="sqs-ingest migrate"):
+        await a.check_schema()
+    await pool.close()
+    with pytest.raises(DatabaseUnavailable):
+        await a.ping()
+
+
+async def test_batch_form_edge_cases(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    """Which messages the batch form gets: only groups of two or more with a key; a group
+    it declines (None), a result list of the wrong length, a deadlock (rerun as is) and a
+    lost connection (an outage) each take their own path."""
+    from service.errors import DatabaseUnavailable
+
+    a = await registered(pool, "w-a")
+    calls: list[str] = []
+
+    async def one(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
+        calls.append("one:" + m.request_id)
+        await ok_handler(m, conn)
+        return {"one": True}
+
+    def key(m: Message) -> str | None:
+        return None if m.request_id.startswith("solo") else m.request_id[0]
+
+    behaviour: dict[str, Any] = {}
+
+    async def many(ms: list[Message], conn: asyncpg.Connection) -> Any:
+        calls.append("many:" + ",".join(m.request_id for m in ms))
+        mode = behaviour.get(ms[0].request_id[0])
+        if mode == "decline":
+            return None
+        if mode == "short":
+            return [{"many": True}]
+        if mode == "deadlock" and not behaviour.pop("deadlocked", False):
+            behaviour["deadlocked"] = True
+            raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+        if mode == "gone":
+            raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+        for m in ms:
+            await ok_handler(m, conn)
+        return [{"many": True}] * len(ms)
+
+    async def run(batch: list[Message]) -> dict[str, Any]:
+        calls.clear()
+        await a.claim(batch)
+        res = await a.apply(batch, one, batch=(key, many))
+        return {m.request_id: out for m, out in res.completed}
+
+    # No key, or alone under its key: one by one. Two under one key: one batch call.
+    out = await run([msg("solo1"), msg("x1"), msg("y1"), msg("y2")])
+    assert sorted(calls) == ["many:y1,y2", "one:solo1", "one:x1"]
+    assert out == {"solo1": {"one": True}, "x1": {"one": True},
+                   "y1": {"many": True}, "y2": {"many": True}}
+    behaviour["d"] = "decline"
+    out = await run([msg("d1"), msg("d2")])
+    assert calls == ["many:d1,d2", "one:d1", "one:d2"]
+    assert out == {"d1": {"one": True}, "d2": {"one": True}}
+    behaviour["s"] = "short"  # a result list that does not match: one by one instead
+    out = await run([msg("s1"), msg("s2")])
+    assert calls == ["many:s1,s2", "one:s1", "one:s2"]
+    assert out == {"s1": {"one": True}, "s2": {"one": True}}
+    behaviour["k"] = "deadlock"  # nobody's fault: the same batch call again
+    out = await run([msg("k1"), msg("k2")])
+    assert calls == ["many:k1,k2", "many:k1,k2"]
+    assert out == {"k1": {"many": True}, "k2": {"many": True}}
+    assert await db.fetchval("SELECT count(*) FROM entities WHERE entity_id LIKE 'e-k%'") == 2
+    behaviour["g"] = "gone"
+    batch = [msg("g1"), msg("g2")]
+    await a.claim(batch)
+    with pytest.raises(DatabaseUnavailable, match="a batch handler"):
+        await a.apply(batch, one, batch=(key, many))
