@@ -118,18 +118,21 @@ class BatchProcessor:
         await flight.stop_extender()
         await self.executor.give_back(flight, delay, self.health.is_up)
 
-    async def _settle_part(self, flight: InFlight, part: list[Received]) -> None:
+    async def _settle_part(
+        self, flight: InFlight, part: list[Received], bisecting: bool = False
+    ) -> None:
         """Process ``part``. When it fails on a value the database refuses (or while one of
         its messages keeps failing far beyond the retry limit), split it and run the halves
         until the message at fault is found alone: only that one is dead-lettered, its
         neighbours go on in the same receive."""
+        part = await self._hold_back_groups(flight, part)
         try:
             await self._process(flight, part)
         except (TransientError, AckFailed):
             raise
         except Exception as exc:
             left = [m for m in part if m.message_id in flight.unresolved]
-            if not self._worth_bisecting(exc, left):
+            if not left or not (bisecting or self._worth_bisecting(exc, left)):
                 raise
             await self._unclaim(flight, left)
             if len(left) == 1:
@@ -139,10 +142,10 @@ class BatchProcessor:
             mid = len(left) // 2
             for half in (left[:mid], left[mid:]):
                 self._ensure_extender(flight)
-                await self._settle_part(flight, half)
+                await self._settle_part(flight, half, bisecting=True)
 
     def _worth_bisecting(self, exc: BaseException, left: list[Received]) -> bool:
-        return bool(left) and (
+        return (
             isinstance(exc, DATA_ERRORS)
             or any(self.policy.repeat_offender(m.receive_count) for m in left)
         )
@@ -168,12 +171,25 @@ class BatchProcessor:
             await flight.stop_extender()
             await self.executor.change_visibility([(m, self.policy.hand_back())])
             flight.resolve([m])
+            if self.fifo and m.group_id is not None:
+                flight.held_groups.add(m.group_id)  # its group's later messages wait too
             return
         log.error("dead_lettered_at_fault", message_id=m.message_id, reason=reason,
                   receive_count=m.receive_count, error=describe(exc))
         plan = Plan()
         plan.letter(m, DeadLetter.of_received(m, reason, describe(exc)), INVALID_TYPE_LABEL)
         await self.executor.carry_out(plan, flight)  # AckFailed propagates: exit 3
+
+    async def _hold_back_groups(self, flight: InFlight, part: list[Received]) -> list[Received]:
+        """FIFO: a message handed back during a bisection holds back the later messages of
+        its group (visible again at once, behind it); returns the rest of ``part``."""
+        held = [m for m in part if m.group_id is not None and m.group_id in flight.held_groups]
+        if not held:
+            return part
+        await flight.stop_extender()
+        await self.executor.change_visibility([(m, 0) for m in held])
+        flight.resolve(held)
+        return [m for m in part if m not in held]
 
     def _ensure_extender(self, flight: InFlight) -> None:
         # A finished half stopped the heartbeat before its acks; the next half needs it.

@@ -29,6 +29,7 @@ class InFlight:
     unresolved: dict[str, Received] = field(default_factory=dict)
     claimed: list[Message] = field(default_factory=list)
     extender: asyncio.Task[None] | None = None
+    held_groups: set[str] = field(default_factory=set)  # FIFO groups that must wait
 
     def __post_init__(self) -> None:
         self.unresolved = {m.message_id: m for m in self.batch}

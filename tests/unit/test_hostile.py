@@ -125,3 +125,35 @@ def test_a_payload_too_deep_to_write_back_is_poison_not_a_crash(registry: Regist
     p = parse(Received("m", "rh", b), registry)
     assert isinstance(p, Poison) and p.reason == "invalid_payload"
     assert "Recursion limit" in p.error
+
+
+async def test_fifo_bisection_keeps_a_handed_back_message_ahead_of_its_group(
+    registry: Registry,
+) -> None:
+    """FIFO: a message that fails alone without being at fault is handed back; the later
+    messages of its group in the same batch must wait behind it, not overtake it."""
+    q = FakeQueue(fifo=True)
+    a1 = q.send(body("a1", 1), "A")
+    x = q.send(body("x", 2), "X")
+    a2 = q.send(body("a2", 3), "A")
+    q.messages[x].receive_count = 20  # far beyond the limit: its failures start a bisection
+    applied: list[str] = []
+
+    class Buggy(FakeStore):
+        async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+            if any(m.request_id in ("a1", "x") for m in messages):
+                raise RuntimeError("a failure outside any handler")
+            applied.extend(m.request_id for m in messages)
+            return await super().claim(messages)
+
+    store = Buggy()
+    h = Harness(settings(pollers=1, queue_url="http://127.0.0.1:1/q.fifo"), registry, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, registry, visibility_timeout=30,
+                              rng=lambda: 0.0)
+    async with h:
+        await until(lambda: x in store.dead and len(q.visibility_calls) >= 2, "settled")
+    assert store.dead[x].reason == "processing_error"
+    assert "a2" not in applied  # never claimed ahead of a1
+    assert (a1, 1) in q.visibility_calls  # handed back after its own failure
+    assert (a2, 0) in q.visibility_calls  # released behind it, in order
