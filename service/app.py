@@ -10,7 +10,7 @@ from typing import TypeVar
 import asyncpg
 import structlog
 
-from service import metrics
+from service import diagnose, metrics
 from service.errors import TransientError
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.migrate import SchemaBehind, check_schema
@@ -63,7 +63,10 @@ async def _retry(
         try:
             return await attempt()
         except _RETRYABLE as exc:
-            log.warning(f"{what}_unavailable", error=str(exc), retry_in=round(backoff.delay, 2))
+            if diagnose.is_permanent(exc):
+                raise  # a wrong queue URL or password: the CLI prints the fix, exit 2
+            log.warning(f"{what}_unavailable", error=str(exc), retry_in=round(backoff.delay, 2),
+                        hint=diagnose.hint(exc))
         if await backoff.wait(stop):
             return None
 
@@ -87,6 +90,8 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
     try:
         return await _with_database(settings, state)
     except asyncpg.PostgresError as exc:
+        if diagnose.is_permanent(exc):
+            raise  # wrong password, no such database: the CLI prints the fix, exit 2
         log.error("fatal_database_error", error=str(exc))
         return EXIT_FATAL
     finally:

@@ -30,7 +30,12 @@ NO_QUEUE = "http://no-queue.invalid/not-configured"
 def _parser() -> argparse.ArgumentParser:
     import argparse
 
-    p = argparse.ArgumentParser(prog="sqs-ingest", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="sqs-ingest",
+        description="Move messages from an SQS queue into PostgreSQL exactly once in effect. "
+        "Configured by INGEST_* environment variables (INGEST_QUEUE_URL and "
+        "INGEST_DATABASE_URL are required); see the README.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the daemon in the foreground")
     sub.add_parser("migrate", help="apply pending database migrations")
@@ -83,17 +88,19 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(settings.log_format, settings.log_level, trace_ids=settings.tracing)
     if args.command == "run":
-        from service import app
+        from service import app, diagnose
         from service.handlers import load_handler_modules
 
         try:
             load_handler_modules(settings.handler_modules)
         except Exception as exc:  # any import-time failure of user code is a config error
             print(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
-                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                  f"{type(exc).__name__}: {exc} (install the module, or add its directory "
+                  f"to PYTHONPATH)", file=sys.stderr)
             return EXIT_CONFIG
         if not settings.tracing:
-            return _run_async(app.run(settings, early_signals=_early_signals))
+            return diagnose.guard(settings, lambda: _run_async(
+                app.run(settings, early_signals=_early_signals)))
         from service import __version__, tracing
 
         try:
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sqs-ingest: configuration error: INGEST_TRACING: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         try:
-            return _run_async(app.run(settings, early_signals=_early_signals))
+            return diagnose.guard(settings, lambda: _run_async(
+                app.run(settings, early_signals=_early_signals)))
         finally:
             tracing.shutdown()  # flush the last spans
     if args.command == "migrate":

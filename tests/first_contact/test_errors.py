@@ -1,0 +1,208 @@
+"""First contact: each start-up mistake a new user makes ends in one line naming the fix,
+with the exit code the README's troubleshooting table documents.
+
+The real ``sqs-ingest run`` process against the session's PostgreSQL and moto server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from tests.servers import Postgres, free_port, moto_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_daemon(env: dict[str, str], timeout: float = 60) -> tuple[int, list[str]]:
+    """Exit code and the output lines of ``sqs-ingest run`` that are not JSON log entries
+    (what a person reads: no traceback, only the one line)."""
+    proc = subprocess.run([sys.executable, "-m", "service", "run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    out = (proc.stdout + proc.stderr).splitlines()
+    return proc.returncode, [line for line in out if line.strip() and not line.startswith("{")]
+
+
+@pytest.fixture
+def base_env(database_url: str, queue_url: str, sqs_endpoint: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INGEST_")}
+    return {**env, "INGEST_DATABASE_URL": database_url, "INGEST_QUEUE_URL": queue_url,
+            "INGEST_SQS_ENDPOINT_URL": sqs_endpoint, "INGEST_HTTP_PORT": str(free_port()),
+            "INGEST_HTTP_HOST": "127.0.0.1", "INGEST_LOG_FORMAT": "json",
+            # Never ask an instance-metadata address for credentials from a test.
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def assert_one_line(lines: list[str], *needles: str) -> None:
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("sqs-ingest: "), lines
+    for needle in needles:
+        assert needle in lines[0], lines
+
+
+def test_queue_does_not_exist(base_env: dict[str, str]) -> None:
+    missing = base_env["INGEST_QUEUE_URL"].rsplit("/", 1)[0] + "/no-such-queue"
+    code, lines = run_daemon({**base_env, "INGEST_QUEUE_URL": missing})
+    assert code == 2
+    assert_one_line(lines, "INGEST_QUEUE_URL", "does not exist", missing)
+
+
+@pytest.fixture(scope="module")
+def authenticating_sqs() -> Iterator[str]:
+    """A moto server that checks signatures against its own IAM users (none exist), as
+    AWS does: any access key is unknown to it."""
+    saved = os.environ.get("INITIAL_NO_AUTH_ACTION_COUNT")
+    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
+    try:
+        with moto_server() as url:
+            yield url
+    finally:
+        if saved is None:
+            os.environ.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
+        else:
+            os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = saved
+
+
+def test_bad_aws_credentials(base_env: dict[str, str], authenticating_sqs: str) -> None:
+    queue = f"{authenticating_sqs}/123456789012/q"
+    code, lines = run_daemon({**base_env, "INGEST_SQS_ENDPOINT_URL": authenticating_sqs,
+                              "INGEST_QUEUE_URL": queue,
+                              "AWS_ACCESS_KEY_ID": "AKIAEXAMPLEUNKNOWN00",
+                              "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert code == 2
+    assert_one_line(lines, "AWS credentials rejected", "AWS_ACCESS_KEY_ID")
+
+
+def test_no_aws_credentials(base_env: dict[str, str], tmp_path: Path) -> None:
+    env = {k: v for k, v in base_env.items() if not k.startswith("AWS_") or k ==
+           "AWS_EC2_METADATA_DISABLED"}
+    # No profile files either: an empty home and config paths that do not exist.
+    env.update(HOME=str(tmp_path), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    code, lines = run_daemon(env)
+    assert code == 2
+    assert_one_line(lines, "no AWS credentials found", "AWS_ACCESS_KEY_ID")
+
+
+@pytest.fixture
+async def password_role(pg_server: Postgres, database_url: str) -> AsyncIterator[str]:
+    """A role that must log in with a password (the test cluster trusts everyone else):
+    a pg_hba line for it alone, ahead of the trust lines."""
+    role = "pw_" + uuid.uuid4().hex[:8]
+    hba = Path(pg_server.datadir) / "pg_hba.conf"
+    original = hba.read_text()
+    hba.write_text(f"host all {role} 127.0.0.1/32 scram-sha-256\n" + original)
+    conn = await asyncpg.connect(pg_server.dsn())
+    try:
+        await conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'right'")
+        await conn.execute("SELECT pg_reload_conf()")
+        yield role
+    finally:
+        hba.write_text(original)
+        await conn.execute("SELECT pg_reload_conf()")
+        await conn.execute(f"DROP ROLE IF EXISTS {role}")
+        await conn.close()
+
+
+def test_wrong_database_password(base_env: dict[str, str], pg_server: Postgres,
+                                 password_role: str) -> None:
+    dsn = f"postgresql://{password_role}:wrong@127.0.0.1:{pg_server.port}/postgres"
+    code, lines = run_daemon({**base_env, "INGEST_DATABASE_URL": dsn})
+    assert code == 2
+    assert_one_line(lines, "INGEST_DATABASE_URL", "password authentication failed")
+    assert ":wrong@" not in lines[0], "the password must never be printed"
+
+
+def test_database_does_not_exist(base_env: dict[str, str], pg_server: Postgres) -> None:
+    code, lines = run_daemon({**base_env, "INGEST_DATABASE_URL": pg_server.dsn("no_such_db")})
+    assert code == 2
+    assert_one_line(lines, "INGEST_DATABASE_URL", '"no_such_db" does not exist',
+                    "sqs-ingest migrate")
+
+
+async def test_schema_behind(base_env: dict[str, str], pg_server: Postgres) -> None:
+    name = "empty_" + uuid.uuid4().hex[:8]
+    conn = await asyncpg.connect(pg_server.dsn())
+    await conn.execute(f"CREATE DATABASE {name}")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "service", "run"], cwd=ROOT, text=True,
+                              env={**base_env, "INGEST_DATABASE_URL": pg_server.dsn(name)},
+                              capture_output=True, timeout=60)
+        assert proc.returncode == 1
+        assert "sqs-ingest: database schema is behind" in proc.stdout + proc.stderr
+        assert "run `sqs-ingest migrate`" in proc.stdout + proc.stderr
+    finally:
+        await conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        await conn.close()
+
+
+def test_handler_module_fails_to_import(base_env: dict[str, str]) -> None:
+    code, lines = run_daemon({**base_env, "INGEST_HANDLERS": "no_such_handlers_module"})
+    assert code == 2
+    assert_one_line(lines, "INGEST_HANDLERS", "no_such_handlers_module", "PYTHONPATH")
+
+
+def test_http_port_in_use(base_env: dict[str, str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines = run_daemon({**base_env, "INGEST_HTTP_PORT": str(port)})
+    assert code == 2
+    assert_one_line(lines, "INGEST_HTTP_PORT", str(port), "already in use")
+
+
+def _readyz(port: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+def test_unreachable_sqs_endpoint_retries_with_a_hint(base_env: dict[str, str]) -> None:
+    """Not permanent (an emulator still starting, a network blip at deploy time): not
+    ready, a warning naming the fix on every retry, exit 0 on SIGTERM."""
+    env = {**base_env, "INGEST_SQS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "run"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "sqs_unavailable" in line:
+                break
+        assert any("INGEST_SQS_ENDPOINT_URL" in line and "retrying" in line for line in seen), seen
+        assert proc.poll() is None, "an unreachable endpoint must not stop the daemon"
+        assert _readyz(env["INGEST_HTTP_PORT"]) == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_help_describes_the_program() -> None:
+    out = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=ROOT, text=True,
+                         capture_output=True, timeout=60, check=True).stdout
+    assert "exactly once" in out and "INGEST_QUEUE_URL" in out
+    assert "Argument parsing only" not in out
+
