@@ -14,6 +14,7 @@ import sys
 
 import structlog
 
+from service.reconcile import preflight
 from service.reconcile.metrics import RunMetrics
 from service.reconcile.parser import EXIT_CONFIG, Args, UsageError, build_parser, yesterday
 from service.reconcile.runner import EXIT_CLEAN, Runner
@@ -42,6 +43,8 @@ def main(argv: list[str]) -> int:
     if ns.log_format or not structlog.is_configured():
         fmt = ns.log_format or os.environ.get("INGEST_LOG_FORMAT", "json").lower()
         configure_logging("console" if fmt == "console" else "json")
+    if not preflight.ok(ns.jars):  # no Java, no JDBC driver: say so before Spark fails
+        return EXIT_CONFIG
     args = Args(ns)
     metrics = RunMetrics()
     try:
