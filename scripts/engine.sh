@@ -20,15 +20,7 @@ ensure_packages() {
   command -v dockerd >/dev/null || need+=(docker.io)
   command -v docker >/dev/null || need+=(docker.io)
   command -v debootstrap >/dev/null || need+=(debootstrap)
-  [ ${#need[@]} -eq 0 ] && return 0
-  if [ "$(id -u)" != 0 ]; then
-    echo "engine.sh: missing ${need[*]}: run as root or apt-get install ${need[*]}" >&2
-    exit 1
-  fi
-  echo "installing Debian packages: ${need[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  [ ${#need[@]} -eq 0 ] || "$(dirname "$0")/apt-install.sh" "${need[@]}"
 }
 
 case "${1:-start}" in
@@ -45,7 +37,7 @@ start)
   deadline=$((SECONDS + START_TIMEOUT))
   until up; do
     if ! kill -0 "$(cat "$STATE/dockerd.pid")" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-      echo "engine.sh: dockerd did not come up within ${START_TIMEOUT}s; its log:" >&2
+      echo "engine.sh: dockerd exited or did not answer within ${START_TIMEOUT}s; its log:" >&2
       tail -n 20 "$STATE/dockerd.log" >&2
       exit 1
     fi

@@ -17,14 +17,7 @@ if [ "${INSTALL_OPS_TOOLS:-1}" = 1 ]; then
 fi
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
-  if [ "$(id -u)" != 0 ]; then
-    echo "missing Debian packages (${need_apt[*]}): run as root or install them" >&2
-    exit 1
-  fi
-  echo "installing Debian packages: ${need_apt[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  scripts/apt-install.sh "${need_apt[@]}"
   # The Debian prometheus package starts a server where an init system runs; we start our own.
   (command -v systemctl >/dev/null && systemctl disable --now prometheus prometheus-node-exporter) \
     >/dev/null 2>&1 || true

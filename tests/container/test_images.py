@@ -83,6 +83,7 @@ def metric(port: int, name: str) -> float:
 
 
 async def fetch(dsn: str, sql: str) -> list[asyncpg.Record]:
+    """Rows of one statement on its own connection (also for DDL: no rows)."""
     conn = await asyncpg.connect(dsn)
     try:
         return list(await conn.fetch(sql))
@@ -111,21 +112,13 @@ async def create_handler_tables(dsn: str) -> None:
     """The tables the chaos handlers write: the ledger, and chaos.slow's effect rows (no
     unique key, so an effect applied twice shows as two rows)."""
     await create_ledger(dsn)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute("CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, request_id text)")
-    finally:
-        await conn.close()
+    await fetch(dsn, "CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, request_id text)")
 
 
 @pytest.fixture
 async def empty_database(pg_server: Postgres) -> str:
     name = "c_" + uuid.uuid4().hex[:12]
-    conn = await asyncpg.connect(pg_server.dsn())
-    try:
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
+    await fetch(pg_server.dsn(), f"CREATE DATABASE {name}")
     return pg_server.dsn(name)
 
 
@@ -255,16 +248,12 @@ async def test_reconcile_image_finds_the_planted_discrepancy(
     async with fresh_database(pg_server) as peer:
         await seed(database_url)
         await seed(peer)
-        conn = await asyncpg.connect(peer)
-        try:
-            await conn.execute("DELETE FROM modifications WHERE request_id = 'inv-3'")
-        finally:
-            await conn.close()
+        await fetch(peer, "DELETE FROM modifications WHERE request_id = 'inv-3'")
         c = Container(RECONCILE_IMAGE, {"INGEST_DATABASE_URL": database_url},
                       ["reconcile", "--date", RUN_DATE, "--peer-url", peer])
         containers.append(c)
         started = time.monotonic()
-        code = c.run().wait(300)
+        code = c.run().wait(600)
         print(f"reconcile container run: {time.monotonic() - started:.1f} s")
         out = c.logs()
         assert code == 1, out

@@ -6,14 +6,11 @@ The real ``sqs-ingest run`` process against the session's PostgreSQL and moto se
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,7 +18,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from tests.servers import Postgres, free_port, moto_server
+from tests.acceptance.harness import Daemon
+from tests.servers import Postgres, free_port, moto_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,40 +162,24 @@ def test_http_port_in_use(base_env: dict[str, str]) -> None:
     assert_one_line(lines, "INGEST_HTTP_PORT", str(port), "already in use")
 
 
-def _readyz(port: str) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
-
-
-def test_unreachable_sqs_endpoint_retries_with_a_hint(base_env: dict[str, str]) -> None:
+def test_unreachable_sqs_endpoint_retries_with_a_hint(base_env: dict[str, str],
+                                                     tmp_path: Path) -> None:
     """Not permanent (an emulator still starting, a network blip at deploy time): not
     ready, a warning naming the fix on every retry, exit 0 on SIGTERM."""
-    env = {**base_env, "INGEST_SQS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "run"], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
+    env = {k: v for k, v in base_env.items() if k != "INGEST_HTTP_PORT"}  # Daemon picks one
+    d = Daemon({**env, "INGEST_SQS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+               tmp_path).start()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            if "sqs_unavailable" in line:
-                break
-        assert any("INGEST_SQS_ENDPOINT_URL" in line and "retrying" in line for line in seen), seen
-        assert proc.poll() is None, "an unreachable endpoint must not stop the daemon"
-        assert _readyz(env["INGEST_HTTP_PORT"]) == 503
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        wait_until(lambda: "sqs_unavailable" in d.full_logs() or d.exited(), 60, "a retry")
+        warning = next(line for line in d.full_logs().splitlines() if "sqs_unavailable" in line)
+        assert "INGEST_SQS_ENDPOINT_URL" in warning and "retrying" in warning, warning
+        assert not d.exited(), "an unreachable endpoint must not stop the daemon"
+        assert d.get("/readyz")[0] == 503
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0, d.logs()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if not d.exited():
+            d.kill9()
 
 
 def test_help_describes_the_program() -> None:
