@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -99,12 +100,14 @@ async def test_failing_handler_rolls_back_only_itself(pool: asyncpg.Pool, db: as
     counts = await a.record_failures([(msg("bad"), "RuntimeError: boom")], max_failures=2)
     assert counts == {"bad": 1}
     assert await db.fetchval("SELECT count(*) FROM modifications WHERE request_id='bad'") == 0
+    assert await db.fetchval("SELECT last_error FROM retry_attempts") == "RuntimeError: boom"
     # A second failure reaches the limit: dead letter in the same transaction.
     await a.claim([msg("bad")])
     counts = await a.record_failures([(msg("bad"), "RuntimeError: boom")], max_failures=2)
     assert counts == {"bad": 2}
     row = await db.fetchrow("SELECT reason, error, request_id FROM dead_letters")
     assert (row["reason"], row["request_id"]) == ("max_receives_exceeded", "bad")
+    assert row["error"] == "RuntimeError: boom"
     assert await db.fetchval("SELECT count(*) FROM retry_attempts") == 0
 
 
@@ -419,11 +422,30 @@ async def test_fifo_failure_holds_back_the_rest_of_its_group(pool: asyncpg.Pool,
         await ok_handler(m, conn)
         return {}
 
-    res = await a.apply(batch, handler, fifo=True)
+    async def many(ms: list[Message], conn: asyncpg.Connection) -> Any:
+        ran.append("many")
+        return [{}] * len(ms)
+
+    before = time.time()
+    res = await a.apply(batch, handler, fifo=True, batch=(lambda m: "k", many))
+    assert before <= res.committed_at <= time.time()
     assert [m.request_id for m, _ in res.completed] == ["a1", "b1", "b2"]
     assert [m.request_id for m, _ in res.failed] == ["a2"]
     assert [m.request_id for m in res.blocked] == ["a3"]
-    assert "a3" not in ran
+    assert "a3" not in ran and "many" not in ran  # FIFO never batches (order first)
+    # The same batch on a standard queue: group ids mean nothing, a3 is not held back.
+    again = [msg(f"s{m.request_id}", group=m.raw.group_id) for m in batch]
+    await a.claim(again)
+    ran.clear()
+
+    async def fail_sa2(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
+        if m.request_id == "sa2":
+            raise RuntimeError("sa2 fails")
+        return {}
+
+    res = await a.apply(again, fail_sa2)
+    assert [m.request_id for m, _ in res.completed] == ["sa1", "sb1", "sa3", "sb2"]
+    assert res.blocked == []
     assert sorted(r["entity_id"] for r in await db.fetch("SELECT entity_id FROM entities")) == [
         "e-a1", "e-b1", "e-b2"]
 
@@ -550,14 +572,17 @@ async def test_batch_form_edge_cases(pool: asyncpg.Pool, db: asyncpg.Connection)
         return {m.request_id: out for m, out in res.completed}
 
     # No key, or alone under its key: one by one. Two under one key: one batch call.
-    out = await run([msg("solo1"), msg("x1"), msg("y1"), msg("y2")])
-    assert sorted(calls) == ["many:y1,y2", "one:solo1", "one:x1"]
-    assert out == {"solo1": {"one": True}, "x1": {"one": True},
+    out = await run([msg("solo1"), msg("x1"), msg("y1"), msg("solo2"), msg("y2")])
+    assert sorted(calls) == ["many:y1,y2", "one:solo1", "one:solo2", "one:x1"]
+    assert out == {"solo1": {"one": True}, "solo2": {"one": True}, "x1": {"one": True},
                    "y1": {"many": True}, "y2": {"many": True}}
+    # A declined group runs one by one in the same transaction; the next group still
+    # goes as a batch (no rerun of the batch that worked).
     behaviour["d"] = "decline"
-    out = await run([msg("d1"), msg("d2")])
-    assert calls == ["many:d1,d2", "one:d1", "one:d2"]
-    assert out == {"d1": {"one": True}, "d2": {"one": True}}
+    out = await run([msg("d1"), msg("d2"), msg("z1"), msg("z2")])
+    assert calls == ["many:d1,d2", "many:z1,z2", "one:d1", "one:d2"]
+    assert out == {"d1": {"one": True}, "d2": {"one": True},
+                   "z1": {"many": True}, "z2": {"many": True}}
     behaviour["s"] = "short"  # a result list that does not match: one by one instead
     out = await run([msg("s1"), msg("s2")])
     assert calls == ["many:s1,s2", "one:s1", "one:s2"]
@@ -570,5 +595,58 @@ async def test_batch_form_edge_cases(pool: asyncpg.Pool, db: asyncpg.Connection)
     behaviour["g"] = "gone"
     batch = [msg("g1"), msg("g2")]
     await a.claim(batch)
-    with pytest.raises(DatabaseUnavailable, match="a batch handler"):
+    with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a batch handler: "):
         await a.apply(batch, one, batch=(key, many))
+
+
+async def test_probes_give_up_on_an_exhausted_pool(database_url: str) -> None:
+    """ping / check_schema bound their wait for a connection (5 s): a readiness probe must
+    answer, not queue behind a pool that a stuck batch holds."""
+    from service.errors import DatabaseUnavailable
+
+    small = await create_pool(database_url, 1)
+    try:
+        s = Store(small, "w-a")
+        async with small.acquire():
+            for probe in (s.ping, s.check_schema):
+                started = asyncio.get_running_loop().time()
+                with pytest.raises((DatabaseUnavailable, TimeoutError)):
+                    await asyncio.wait_for(probe(), 15)
+                assert 4.5 <= asyncio.get_running_loop().time() - started < 10
+    finally:
+        await small.close()
+
+
+async def test_a_result_with_nul_fails_only_its_message(pool: asyncpg.Pool) -> None:
+    a = await registered(pool, "w-a")
+    batch = [msg("nul"), msg("fine")]
+    await a.claim(batch)
+
+    async def handler(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
+        return {"text": "a\u0000b" if m.request_id == "nul" else "ab"}
+
+    res = await a.apply(batch, handler)
+    assert [m.request_id for m, _ in res.completed] == ["fine"]
+    [(failed, err)] = res.failed
+    assert failed.request_id == "nul"
+    assert str(err) == "handler result contains a NUL character (not storable in jsonb)"
+
+
+async def test_startup_gc_releases_an_earlier_incarnation_of_the_same_name(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """A replica restarted under the same INGEST_WORKER_NAME frees its previous
+    incarnation's claims at once (its heartbeat is still fresh), and only those."""
+    old = Store(pool, "w-old")
+    await old.register_worker("replica-0")
+    other = Store(pool, "w-other")
+    await other.register_worker("replica-1")
+    await old.claim([msg("mine-before")])
+    await other.claim([msg("theirs")])
+    new = Store(pool, "w-new")
+    await new.register_worker("replica-0")
+    started = await db.fetchval("SELECT started_at FROM workers WHERE worker_id = 'w-new'")
+    assert await new.gc(lease_seconds=30) == []  # periodic pass: both look alive
+    released = await new.gc(lease_seconds=30, name="replica-0", started_before=started)
+    assert [r["request_id"] for r in released] == ["mine-before"]
+    assert await db.fetchval("SELECT owner FROM modifications WHERE request_id='theirs'") == "w-other"

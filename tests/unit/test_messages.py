@@ -83,3 +83,49 @@ def test_poison_shapes(registry: Registry, body: str, reason: str) -> None:
 def test_payload_hash_ignores_key_order() -> None:
     assert payload_hash({"a": 1, "b": [1, 2]}) == payload_hash({"b": [1, 2], "a": 1})
     assert payload_hash({"a": 1}) != payload_hash({"a": 2})
+
+
+def test_invalid_payload_error_names_each_field_and_stops_at_five(registry: Registry) -> None:
+    """dead_letters.error for a payload that fails its model: "field: message" per error,
+    "; "-joined, nested locations dotted, a whole-payload error named "payload", at most 5."""
+    bad = {"entity_id": 5, "version": "x", "data": {"a": 1}}
+    p = parse(raw(json.dumps(upsert(payload=bad))), registry)
+    assert isinstance(p, Poison) and p.reason == "invalid_payload"
+    assert p.error == ("entity_id: Input should be a valid string; "
+                       "version: Input should be a valid integer")
+    from pydantic import BaseModel, model_validator
+
+    class Whole(BaseModel):
+        lo: int
+        hi: int
+
+        @model_validator(mode="after")
+        def ordered(self) -> Whole:
+            if self.lo > self.hi:
+                raise ValueError("lo above hi")
+            return self
+
+    class Six(BaseModel):
+        a: int
+        b: int
+        c: int
+        d: int
+        e: int
+        f: int
+
+    class Nested(BaseModel):
+        inner: Six
+
+    r = Registry()
+    r.register("six", Six, entity_upsert)
+    r.register("nested", Nested, entity_upsert)
+    r.register("whole", Whole, entity_upsert)
+    p = parse(raw(json.dumps({"request_id": "r", "type": "whole",
+                              "payload": {"lo": 2, "hi": 1}})), r)
+    assert isinstance(p, Poison) and p.error == "payload: Value error, lo above hi"
+    p = parse(raw(json.dumps({"request_id": "r", "type": "six", "payload": {}})), r)
+    assert isinstance(p, Poison)
+    assert p.error == "; ".join(f"{k}: Field required" for k in "abcde")
+    p = parse(raw(json.dumps({"request_id": "r", "type": "nested",
+                              "payload": {"inner": {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}}})), r)
+    assert isinstance(p, Poison) and p.error == "inner.f: Field required"
