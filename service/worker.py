@@ -223,7 +223,8 @@ class Worker:
                 log.warning("receive_failed", error=str(exc), retry_in=round(backoff.delay, 2))
                 await backoff.wait(self._stop)
                 continue
-                backoff.reset()
+            self.maintenance.sqs_ok = True
+            backoff.reset()
             if not await self._dispatch(batch):
                 break
 

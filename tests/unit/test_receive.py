@@ -1,0 +1,51 @@
+"""The receive loop's own health: a failed receive makes the daemon not ready, the next
+successful one makes it ready again (without waiting for GetQueueAttributes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from service.errors import TransientError
+from service.handlers import Registry
+from service.testing import FakeQueue
+from tests.unit.test_worker import Harness, body, settings, until
+
+
+class Note(BaseModel):
+    n: int
+
+
+class Flaky(FakeQueue):
+    """ReceiveMessage fails while ``failing``; GetQueueAttributes always fails (so only a
+    receive can tell that SQS is back)."""
+
+    failing = True
+    failures = 0
+
+    async def receive(self, *a: Any, **k: Any) -> list[Any]:
+        if self.failing:
+            self.failures += 1
+            raise TransientError("ReceiveMessage failed: injected")
+        return await super().receive(*a, **k)
+
+    async def attributes(self) -> dict[str, str]:
+        raise TransientError("GetQueueAttributes failed: injected")
+
+
+async def test_a_successful_receive_after_failures_makes_the_daemon_ready() -> None:
+    r = Registry()
+
+    async def note(p: Note, conn: Any) -> None:
+        return None
+
+    r.register("note", Note, note)
+    q = Flaky()
+    async with Harness(settings(pollers=1, queue_attributes_interval=3600), r, q) as h:
+        await until(lambda: q.failures >= 1, "a receive failed")
+        assert h.worker.readiness()[1]["sqs"] is False
+        q.failing = False
+        q.send(body("r1", 1))
+        await until(lambda: not q.messages, "received and processed")
+        assert h.worker.readiness()[1]["sqs"] is True
