@@ -5,6 +5,7 @@
     LATENCY_MS=20 .venv/bin/python bench/throughput.py
     SOAK=600 .venv/bin/python bench/throughput.py
     PROFILE=1 .venv/bin/python bench/throughput.py  # adds a py-spy profile of a drain
+    BASELINE=62e8dcf^ .venv/bin/python bench/throughput.py  # + old vs new code, interleaved
 
 Starts a throwaway PostgreSQL (tests/servers.py) and LocalStack's SQS in host mode (no
 Docker; a Python 3.13 venv under bench/.venv-localstack, created if missing), preloads N
@@ -30,6 +31,20 @@ raw collapsed stacks + a summary), PHASES (default ``ceiling,naive,daemon``). IN
 variables set in the environment reach the daemon (and the ceiling's concurrency), so
 settings can be compared: ``INGEST_POLLERS=8 make bench``.
 
+Old code against new code: ``BASELINE=<git ref> make bench`` exports that ref (``git archive``
+into a temporary directory, removed afterwards) and adds a "compare" step: ROUNDS (default 3)
+rounds of one daemon drain from the baseline tree and one from the candidate tree — the
+working tree, or CANDIDATE=<git ref> exported the same way — in ABBA order (old,new then
+new,old, ...) so that drift and noise from other work on the machine hit both alike. Each
+drain is the daemon phase above: a fresh queue and a fresh database migrated by *that*
+tree's ``python -m service migrate`` (so each code sees exactly its own schema; /readyz,
+which checks the schema, must answer 200), the same interpreter, PostgreSQL and LocalStack,
+cwd and PYTHONPATH = that tree. Reported: per code the median (and min-max) msg/s and daemon
+CPU us/msg, the ratio new/old of the medians and the spread of the per-round ratios, and
+the daemon's CPU divided by LocalStack's in the same drain (LocalStack's code is the same
+for both, so that ratio removes most of the machine's noise). With
+PROFILE=1 the baseline gets a profiled drain too. PHASES=compare runs only the comparison.
+
 Prints a table and writes everything as JSON to bench/results/ (gitignored).
 """
 
@@ -43,7 +58,9 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -495,6 +512,142 @@ def run_phase_process(args: list[str], timeout: float) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# -- code trees: old vs new (BASELINE=<ref>, CANDIDATE=<ref>) -----------------------------
+
+
+@dataclass
+class CodeTree:
+    """The code one daemon drain runs: this checkout, or a git ref exported to a temp dir."""
+
+    name: str  # "old" / "new"
+    ref: str  # what was asked for ("62e8dcf^", "HEAD", "working tree")
+    commit: str  # full commit id (HEAD's for the working tree)
+    path: Path
+    dirty: bool = False  # working tree only: service/ or migrations/ differ from HEAD
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.ref} = {self.commit[:7]}{', dirty' if self.dirty else ''})"
+
+    def env(self) -> dict[str, str]:
+        return {"PYTHONPATH": str(self.path)}
+
+    def migrations(self) -> list[int]:
+        return sorted(int(f.name.split("_", 1)[0]) for f in (self.path / "migrations").glob("*.sql"))
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _imported_from(tree: CodeTree) -> str:
+    """Where ``import service`` resolves with that tree's cwd and PYTHONPATH."""
+    out = subprocess.run([sys.executable, "-c", "import service; print(service.__file__)"],
+                         cwd=tree.path, env={**os.environ, **tree.env()}, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip()
+
+
+@contextlib.contextmanager
+def code_tree(name: str, ref: str | None) -> Iterator[CodeTree]:
+    """``ref`` exported with ``git archive`` into a temporary directory (removed on exit);
+    no ref: this working tree as it is."""
+    if not ref:
+        dirty = bool(_git("status", "--porcelain", "--", "service", "migrations"))
+        tree = CodeTree(name, "working tree", _git("rev-parse", "HEAD"), ROOT, dirty)
+        tmp = None
+    else:
+        commit = _git("rev-parse", "--verify", f"{ref}^{{commit}}")
+        tmp = tempfile.mkdtemp(prefix=f"bench-{name}-{commit[:7]}-")
+        archive = subprocess.Popen(["git", "archive", "--format=tar", commit], cwd=ROOT,
+                                   stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", tmp], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise RuntimeError(f"git archive {ref} failed")
+        tree = CodeTree(name, ref, commit, Path(tmp))
+    try:
+        where = _imported_from(tree)
+        if not where.startswith(str(tree.path) + os.sep):
+            raise RuntimeError(f"{tree.label}: `import service` resolves to {where}")
+        yield tree
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def phase_compare(env: Env, n: int, endpoint: str, old: CodeTree, new: CodeTree,
+                  rounds: int) -> dict[str, Any]:
+    """ROUNDS pairs of drains, old and new, in ABBA order (old,new / new,old / ...)."""
+    drains: list[dict[str, Any]] = []
+    for rnd in range(1, rounds + 1):
+        for tree in (old, new) if rnd % 2 else (new, old):
+            label = f"compare-r{rnd}-{tree.name}"
+            print(f"bench: compare round {rnd}/{rounds}: {tree.label} ...", flush=True)
+            d = phase_daemon(env, n, endpoint, label, tree=tree)
+            d["round"] = rnd
+            print(f"bench:   {d['rate']:,.0f} msg/s, daemon CPU {d['cpu_us_per_msg']:.0f} us/msg, "
+                  f"exit {d['exit_code']}", flush=True)
+            drains.append(d)
+    keys = ("rate", "cpu_us_per_msg", "localstack_cpu_us_per_msg", "postgres_cpu_us_per_msg",
+            "peak_rss_mb")
+    per_code = {t.name: {k: _spread([d[k] for d in drains if d["code"] == t.name]) for k in keys}
+                for t in (old, new)}
+    by_round = {(d["round"], d["code"]): d for d in drains}
+
+    def ratio(r: int, k: str) -> float:
+        return float(by_round[(r, "new")][k] / by_round[(r, "old")][k])
+
+    paired = {k: _spread([ratio(r, k) for r in range(1, rounds + 1)])
+              for k in ("rate", "cpu_us_per_msg")}
+    # LocalStack runs the same code in both drains: its CPU/msg moves only with the
+    # machine (part-filled receives when a drain is slowed down), so dividing by it takes
+    # most of that noise out of the daemon's figure.
+    paired["cpu_per_localstack_cpu"] = _spread([
+        ratio(r, "cpu_us_per_msg") / ratio(r, "localstack_cpu_us_per_msg")
+        for r in range(1, rounds + 1)])
+    return {
+        "label": "compare", "n": n, "rounds": rounds,
+        "old": {"ref": old.ref, "commit": old.commit},
+        "new": {"ref": new.ref, "commit": new.commit, "dirty": new.dirty},
+        "per_code": per_code,
+        "ratio_of_medians": {k: per_code["new"][k]["median"] / per_code["old"][k]["median"]
+                             for k in ("rate", "cpu_us_per_msg")},
+        "paired_ratio": paired,
+        "exit_codes": [d["exit_code"] for d in drains],
+        "drains": drains,
+    }
+
+
+def report_compare(c: dict[str, Any]) -> list[str]:
+    o, nw = c["old"], c["new"]
+    lines = [f"old vs new, N={c['n']}, {c['rounds']} rounds ABBA: old = {o['ref']} "
+             f"{o['commit'][:7]}, new = {nw['ref']} {nw['commit'][:7]}"
+             + (" (+ uncommitted changes in service/ or migrations/)" if nw["dirty"] else ""),
+             f"{'round':<7}{'code':<6}{'msg/s':>9}{'CPU us/msg':>12}{'LS us':>8}{'PG us':>8}"
+             f"{'RSS MB':>8}{'exit':>6}"]
+    for d in c["drains"]:
+        lines.append(f"{d['round']:<7}{d['code']:<6}{d['rate']:>9,.0f}{d['cpu_us_per_msg']:>12.0f}"
+                     f"{d['localstack_cpu_us_per_msg']:>8.0f}{d['postgres_cpu_us_per_msg']:>8.0f}"
+                     f"{d['peak_rss_mb']:>8.1f}{d['exit_code']:>6}")
+    for key, what, spec in (("rate", "msg/s", ",.0f"), ("cpu_us_per_msg", "CPU us/msg", ".0f")):
+        po, pn = c["per_code"]["old"][key], c["per_code"]["new"][key]
+        pr = c["paired_ratio"][key]
+        lines.append(
+            f"{what:<11} median old {po['median']:{spec}} ({po['min']:{spec}}-{po['max']:{spec}}), "
+            f"new {pn['median']:{spec}} ({pn['min']:{spec}}-{pn['max']:{spec}}); "
+            f"new/old = {c['ratio_of_medians'][key]:.3f} "
+            f"(per round {pr['min']:.3f}-{pr['max']:.3f}, median {pr['median']:.3f})")
+    pl = c["paired_ratio"]["cpu_per_localstack_cpu"]
+    lines.append(f"CPU us/msg per LocalStack CPU us/msg (LocalStack as the control): new/old "
+                 f"median {pl['median']:.3f} (per round {pl['min']:.3f}-{pl['max']:.3f})")
+    return lines
+
+
 # -- the bench --------------------------------------------------------------------------
 
 
@@ -511,19 +664,45 @@ class Env:
         return f"{what}{self.seq}"
 
 
-def new_database(env: Env, name: str) -> str:
+def new_database(env: Env, name: str, tree: CodeTree | None = None) -> str:
+    """A fresh database, migrated by this code or, given a tree, by that tree's own
+    ``python -m service migrate`` (the schema the code in that tree expects)."""
     import asyncpg
 
     from service.migrate import migrate
+
+    dsn = str(env.pg_dsn(name))
 
     async def go() -> None:
         conn = await asyncpg.connect(env.pg_dsn("postgres"))
         await conn.execute(f'CREATE DATABASE "{name}"')
         await conn.close()
-        await migrate(env.pg_dsn(name))
+        if tree is None:
+            await migrate(dsn)
 
     asyncio.run(go())
-    return str(env.pg_dsn(name))
+    if tree is not None:
+        out = subprocess.run([sys.executable, "-m", "service", "migrate"], cwd=tree.path,
+                             env={**os.environ, **tree.env(), "INGEST_DATABASE_URL": dsn},
+                             capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"migrate from {tree.label} failed ({out.returncode}): "
+                               f"{out.stderr[-2000:]}")
+    return dsn
+
+
+def schema_versions(dsn: str) -> list[int]:
+    import asyncpg
+
+    async def go() -> list[int]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            return [int(r[0]) for r in await conn.fetch(
+                "SELECT version FROM ingest_schema_migrations ORDER BY version")]
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
 
 
 def db_window(dsn: str) -> tuple[int, float, float]:
@@ -587,8 +766,10 @@ def phase_naive(env: Env, n: int) -> dict[str, Any]:
 
 
 def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = False,
-                 soak: float = 0.0, soak_rate: int = 0) -> dict[str, Any]:
-    dsn = new_database(env, env.next("daemon"))
+                 soak: float = 0.0, soak_rate: int = 0,
+                 tree: CodeTree | None = None) -> dict[str, Any]:
+    """One drain by ``python -m service run`` from this checkout, or from ``tree``."""
+    dsn = new_database(env, env.next("daemon"), tree)
     url = create_queue(env.ls.url, env.next("daemon"))
     if not soak:
         preload(env.ls.url, url, label, n)
@@ -597,19 +778,24 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
     log_path = RESULTS / f"daemon-{label}.log"
     denv = {**os.environ, "INGEST_QUEUE_URL": url, "INGEST_DATABASE_URL": dsn,
             "INGEST_SQS_ENDPOINT_URL": endpoint, "INGEST_HTTP_PORT": str(port),
-            "INGEST_HTTP_HOST": "127.0.0.1"}
+            "INGEST_HTTP_HOST": "127.0.0.1", **(tree.env() if tree else {})}
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service", "run"], cwd=ROOT, env=denv,
+    proc = subprocess.Popen([sys.executable, "-m", "service", "run"],
+                            cwd=tree.path if tree else ROOT, env=denv,
                             stdout=log, stderr=subprocess.STDOUT)
     spy: subprocess.Popen[bytes] | None = None
     profile_path = RESULTS / f"profile-{label}.txt"
     res: dict[str, Any] = {"label": label, "n": n, "log": str(log_path.relative_to(ROOT))}
+    if tree:
+        res.update({"code": tree.name, "commit": tree.commit,
+                    "schema_versions": schema_versions(dsn),
+                    "tree_migrations": tree.migrations()})
     try:
-        def ready() -> bool:
+        def ready(path: str = "/healthz") -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {proc.returncode}; see {log_path}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).close()
+            try:  # a 503 (HTTPError) is an OSError too
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1).close()
                 return True
             except OSError:
                 return False
@@ -617,6 +803,10 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
         pm = postmaster_pid(env.pg_datadir)
         with Sampler({"daemon": proc.pid, "localstack": env.ls.pid}, pm) as s:
             wait_until(ready, 60, "daemon /healthz")
+            if tree:
+                # /readyz checks the schema: the tree's code accepts its database.
+                wait_until(lambda: ready("/readyz"), 30, "daemon /readyz")
+                res["readyz"] = 200
             if profile:
                 spy = subprocess.Popen(
                     [str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
@@ -875,12 +1065,15 @@ def report(r: dict[str, Any]) -> str:
                      f"{sk['rss_min_mb']:.1f}/{sk['rss_max_mb']:.1f} MB; "
                      f"CPU/msg {sk['cpu_us_per_msg']:.0f} us; lag p50 "
                      f"{fmt(sk['lag_p50'], '.3f')} s, p99 {fmt(sk['lag_p99'], '.3f')} s")
-    dp = r.get("daemon_profiled")
-    if dp and "profile_summary" in dp:
-        ps = dp["profile_summary"]
-        lines.append(f"profile ({ps['samples']} samples, {dp['profile']}): self time by area:")
-        for k, v in ps["self_by_area_pct"]:
-            lines.append(f"  {v:5.1f} %  {k}")
+    if r.get("compare"):
+        lines.extend(report_compare(r["compare"]))
+    for key in ("daemon_profiled", "daemon_profiled_baseline"):
+        dp = r.get(key)
+        if dp and "profile_summary" in dp:
+            ps = dp["profile_summary"]
+            lines.append(f"profile ({ps['samples']} samples, {dp['profile']}): self time by area:")
+            for k, v in ps["self_by_area_pct"]:
+                lines.append(f"  {v:5.1f} %  {k}")
     return "\n".join(lines)
 
 
@@ -894,6 +1087,11 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     default=os.environ.get("PROFILE", "") not in ("", "0"))
     ap.add_argument("--phases", default=os.environ.get("PHASES", "ceiling,naive,daemon"))
+    ap.add_argument("--baseline", default=os.environ.get("BASELINE") or None,
+                    help="git ref of the old code: adds the interleaved old-vs-new comparison")
+    ap.add_argument("--candidate", default=os.environ.get("CANDIDATE") or None,
+                    help="git ref of the new code (default: the working tree)")
+    ap.add_argument("--rounds", type=int, default=_env_int("ROUNDS", 3))
     a = ap.parse_args()
     naive_n = a.naive_n or _env_int("NAIVE_N", min(a.n, 5_000))
     phases = {p.strip() for p in a.phases.split(",") if p.strip()}
@@ -904,7 +1102,19 @@ def main() -> int:
                          "ingest_env": {k: v for k, v in os.environ.items()
                                         if k.startswith("INGEST_")}}
     t0 = time.monotonic()
-    with postgres_server() as pg, localstack_server() as ls:
+    if a.baseline:
+        phases.add("compare")
+    if "compare" in phases and not a.baseline:
+        raise SystemExit("bench: PHASES=compare needs BASELINE=<git ref>")
+    with contextlib.ExitStack() as stack:
+        old = new = None
+        if "compare" in phases:
+            old = stack.enter_context(code_tree("old", a.baseline))
+            new = stack.enter_context(code_tree("new", a.candidate))
+            print(f"bench: old = {old.label} at {old.path}; new = {new.label} at {new.path}",
+                  flush=True)
+        pg = stack.enter_context(postgres_server())
+        ls = stack.enter_context(localstack_server())
         r["localstack"] = ls.version
         env = Env(pg.dsn, pg.datadir, ls)
 
@@ -922,6 +1132,8 @@ def main() -> int:
             step("naive", phase_naive, env, naive_n)
         if "daemon" in phases:
             step("daemon", phase_daemon, env, a.n, ls.url, "daemon")
+        if old and new:
+            step("compare", phase_compare, env, a.n, ls.url, old, new, a.rounds)
         if a.latency_ms:
             from tests.faultproxy import FaultProxy
 
@@ -932,7 +1144,10 @@ def main() -> int:
                 step("daemon_latency", phase_daemon, env, a.n, proxy.url, f"daemon+{tag}")
         if a.profile:
             step("daemon_profiled", phase_daemon, env, a.n, ls.url, "daemon-profiled",
-                 profile=True)
+                 profile=True, tree=new)
+            if old:
+                step("daemon_profiled_baseline", phase_daemon, env, a.n, ls.url,
+                     "daemon-profiled-baseline", profile=True, tree=old)
         if a.soak:
             step("soak", phase_daemon, env, 0, ls.url, "soak", soak=a.soak,
                  soak_rate=a.soak_rate)
