@@ -64,11 +64,15 @@ async def test_services_start_from_a_checkout_postgres_cannot_enter(tmp_path: Pa
         await conn.close()
         endpoint = settings["INGEST_SQS_ENDPOINT_URL"]
         assert _moto_up(endpoint)
+        moto_pid = int((checkout / ".run" / "moto.pid").read_text())
+        assert os.getpgid(moto_pid) != proc.pid, "moto is in the terminal's process group"
         # Ctrl-C: SIGINT to the whole process group the script ran in (gone already when
         # nothing it started stayed in it).
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
         assert wait_until(lambda: _moto_up(endpoint), 5, "moto still up after Ctrl-C")
+        assert subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", env["PG_PORT"]]
+                              ).returncode == 0, "PostgreSQL must survive the Ctrl-C too"
     finally:
         stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True,
                                  timeout=60)
