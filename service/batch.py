@@ -23,7 +23,7 @@ from service.errors import AckFailed, DatabaseUnavailable, TransientError
 from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
-from service.messages import Message, Received
+from service.messages import Message, Received, parse
 from service.plan import (
     INVALID_TYPE_LABEL,
     Plan,
@@ -177,7 +177,11 @@ class BatchProcessor:
         log.error("dead_lettered_at_fault", message_id=m.message_id, reason=reason,
                   receive_count=m.receive_count, error=describe(exc))
         plan = Plan()
-        plan.letter(m, DeadLetter.of_received(m, reason, describe(exc)), INVALID_TYPE_LABEL)
+        item = parse(m, self.registry)
+        if isinstance(item, Message):  # keep its request_id and type (dlq list, results)
+            plan.letter(m, DeadLetter.of_message(item, reason, describe(exc)), item.type)
+        else:
+            plan.letter(m, DeadLetter.of_received(m, reason, describe(exc)), INVALID_TYPE_LABEL)
         await self.executor.carry_out(plan, flight)  # AckFailed propagates: exit 3
 
     async def _hold_back_groups(self, flight: InFlight, part: list[Received]) -> list[Received]:
@@ -189,6 +193,7 @@ class BatchProcessor:
         await flight.stop_extender()
         await self.executor.change_visibility([(m, 0) for m in held])
         flight.resolve(held)
+        self._ensure_extender(flight)  # the rest of the part is still to be processed
         return [m for m in part if m not in held]
 
     def _ensure_extender(self, flight: InFlight) -> None:
@@ -215,10 +220,19 @@ class BatchProcessor:
             if c.unclaim:
                 await self.store.release(c.unclaim)
             plan.merge(c.plan)
+            if plan.letters and c.to_apply:
+                # Durable before any handler runs: a letter the database refuses must fail
+                # (and bisect) this part before its handlers' work is done and counted.
+                await self.store.dead_letter(plan.letters)
+                plan.letters = []
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
         with tracing.step("settle", [*plan.acks, *(r for r, _ in plan.releases)]):
             await self.executor.carry_out(plan, flight)
+        if self.fifo:
+            # Within a bisection, a message handed back for any reason holds back the later
+            # messages of its group in the halves still to come.
+            flight.held_groups.update(r.group_id for r, _ in plan.releases if r.group_id)
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):
@@ -236,17 +250,17 @@ class BatchProcessor:
 
     async def _extend_visibility(self, flight: InFlight) -> None:
         vt = self.visibility_timeout
-        total = vt
+        flight.hidden_for = flight.hidden_for or vt  # kept across restarts (bisection)
         while True:
             await asyncio.sleep(vt / 2)
             if not flight.unresolved:
                 return
-            if total + vt > SQS_MAX_VISIBILITY:
+            if flight.hidden_for + vt > SQS_MAX_VISIBILITY:
                 log.warning("visibility_cap_reached", message_ids=list(flight.unresolved))
                 return
             # From now, the message stays hidden for another full timeout.
             changes = [(m, vt) for m in list(flight.unresolved.values())]
             await self.executor.change_visibility(changes)
-            total += vt // 2
+            flight.hidden_for += vt // 2
             metrics.visibility_extensions.inc(len(changes))
             log.info("visibility_extended", count=len(changes), seconds=vt)

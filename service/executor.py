@@ -30,6 +30,7 @@ class InFlight:
     claimed: list[Message] = field(default_factory=list)
     extender: asyncio.Task[None] | None = None
     held_groups: set[str] = field(default_factory=set)  # FIFO groups that must wait
+    hidden_for: int = 0  # seconds of visibility so far (the 12-hour cap counts from receive)
 
     def __post_init__(self) -> None:
         self.unresolved = {m.message_id: m for m in self.batch}

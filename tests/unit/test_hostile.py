@@ -157,3 +157,88 @@ async def test_fifo_bisection_keeps_a_handed_back_message_ahead_of_its_group(
     assert "a2" not in applied  # never claimed ahead of a1
     assert (a1, 1) in q.visibility_calls  # handed back after its own failure
     assert (a2, 0) in q.visibility_calls  # released behind it, in order
+
+
+class _Note(BaseModel):
+    n: int
+
+
+def _failing_on_negative() -> Registry:
+    r = Registry()
+
+    async def note(p: _Note, conn: Any) -> dict[str, int]:
+        if p.n < 0:
+            raise RuntimeError("transient handler failure")
+        return {"n": p.n}
+
+    r.register("note", _Note, note)
+    return r
+
+
+async def test_fifo_bisection_any_hand_back_holds_back_its_group() -> None:
+    """Review finding: a1 fails its handler in the first half (handed back with a backoff);
+    a2, same group, in the second half must not complete ahead of it."""
+    applied: list[str] = []
+
+    class Refusing(RefusingStore):
+        async def apply(self, messages: Sequence[Message], call: Any, fifo: bool = False,
+                        batch: Any = None) -> Any:
+            res = await super().apply(messages, call, fifo=fifo, batch=batch)
+            applied.extend(m.request_id for m, _ in res.completed)
+            return res
+
+    r = _failing_on_negative()
+    q = FakeQueue(fifo=True)
+    q.send(body("a1", -1), "A")
+    hostile = q.send(body("hostile", 2), "H")
+    a2 = q.send(body("a2", 3), "A")
+    store = Refusing()
+    store.claims = []
+    h = Harness(settings(pollers=1, queue_url="http://127.0.0.1:1/q.fifo"), r, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, r, visibility_timeout=30, rng=lambda: 0.0)
+    async with h:
+        await until(lambda: hostile in store.dead and (a2, 0) in q.visibility_calls, "settled")
+    assert "a2" not in applied
+
+
+async def test_a_refused_letter_does_not_count_a_handler_failure_twice() -> None:
+    """Review finding: the poison letter is committed before the handlers run, so a letter
+    the database refuses bisects the batch before any handler work is done and counted."""
+
+    class Refusing(FakeStore):
+        async def dead_letter(self, letters: Sequence[Any]) -> None:
+            if any(d.reason == "invalid_json" for d in letters):
+                raise asyncpg.exceptions.CharacterNotInRepertoireError("invalid byte sequence")
+            await super().dead_letter(letters)
+
+    r = _failing_on_negative()
+    q = FakeQueue()
+    q.send(body("bad", -1))
+    ok = q.send(body("ok", 1))
+    poison = q.send("{not json")
+    store = Refusing()
+    h = Harness(settings(pollers=1, max_receive_count=5), r, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, r, visibility_timeout=30, rng=lambda: 0.0)
+    async with h:
+        await until(lambda: ok not in q.messages and poison in store.dead, "settled")
+    assert store.failures.get("bad") == 1, store.failures
+    assert store.dead[poison].reason == "rejected_by_database"
+
+
+async def test_a_message_dead_lettered_by_bisection_keeps_its_request_id() -> None:
+    r = _failing_on_negative()
+    q = FakeQueue()
+    q.send(body("r1", 1))
+    hostile = q.send(body("hostile-9", 9))
+    store = RefusingStore()
+    store.claims = []
+    h = Harness(settings(pollers=1), r, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, r, visibility_timeout=30, rng=lambda: 0.0)
+    async with h:
+        await until(lambda: not q.messages, "settled")
+    d = store.dead[hostile]
+    assert (d.reason, d.request_id, d.request_type) == ("rejected_by_database", "hostile-9",
+                                                        "note")
