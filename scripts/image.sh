@@ -13,6 +13,7 @@
 #
 # Needs a running engine (scripts/engine.sh start) and root for debootstrap.
 set -euo pipefail
+SELF=$(realpath "$0")
 cd "$(dirname "$0")/.."
 TAG=${IMAGE_TAG:-latest}
 SUITE=bookworm
@@ -24,7 +25,7 @@ HOST_CA=/etc/ssl/certs/ca-certificates.crt
 # The base is rebuilt when its recipe changes (this file's base section) or the host's CA
 # bundle changes; otherwise the engine's copy is reused.
 recipe_hash() {
-  { sed -n '/^base_image()/,/^}/p' "$0"; echo "$SUITE $PACKAGES"; cat "$HOST_CA" 2>/dev/null; } \
+  { sed -n '/^base_image()/,/^}/p' "$SELF"; echo "$SUITE $PACKAGES"; cat "$HOST_CA" 2>/dev/null; } \
     | sha256sum | cut -c1-12
 }
 
