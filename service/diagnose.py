@@ -62,7 +62,8 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         yield cur
-        cur = cur.__cause__ or cur.__context__
+        # As Python prints it: the explicit cause, else the context unless `from None`.
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
 
 
 def _aws_code(exc: BaseException) -> str | None:
