@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -114,10 +115,16 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
         return EXIT_FATAL
     state.db = True
     control_pool = await create_pool(settings.database_url, 2)
+    pools = [pool, control_pool]
+    if settings.results_enabled:
+        # The publisher holds a connection across each send: its own, one per loop.
+        pools.append(await create_pool(settings.database_url, settings.results_publishers + 1))
+    store = Store(pool, control_pool=control_pool, results=settings.results_enabled,
+                  outbox_pool=pools[2] if settings.results_enabled else None)
     try:
-        return await _with_queue(settings, state, Store(pool, control_pool=control_pool))
+        return await _with_queue(settings, state, store)
     finally:
-        for p in (pool, control_pool):
+        for p in pools:
             try:
                 await asyncio.wait_for(p.close(), timeout=5)
             except TimeoutError:
@@ -139,8 +146,20 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
             vt = 30
         await _retry("database", lambda: store.register_worker(settings.effective_worker_name),
                      state.stop)
-        worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt)
-        state.worker = worker
-        if state.stop.is_set():
-            worker.request_stop()
-        return await worker.run()
+        async with contextlib.AsyncExitStack() as stack:
+            publisher = None
+            if settings.results_enabled:
+                from service.results import Publisher, results_sink
+
+                sink = await stack.enter_async_context(results_sink(settings))
+                publisher = Publisher(
+                    store, sink, concurrency=settings.results_publishers,
+                    retention_seconds=settings.results_retention_days * 86400)
+                log.info("results_on", destination=settings.results_topic_arn
+                         or settings.results_queue_url, fifo=sink.fifo)
+            worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
+                            publisher=publisher)
+            state.worker = worker
+            if state.stop.is_set():
+                worker.request_stop()
+            return await worker.run()

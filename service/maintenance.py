@@ -1,5 +1,6 @@
-"""Background upkeep beside the pollers: the worker heartbeat, orphan GC, and the queue
-gauges from GetQueueAttributes (depth, oldest message age)."""
+"""Background upkeep beside the pollers: the worker heartbeat, orphan GC, the queue
+gauges from GetQueueAttributes (depth, oldest message age), and the results publisher
+(``service.results``) when results are configured."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import collections
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -18,6 +20,9 @@ from service.messages import Received
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 from service.store import DB_ERRORS
+
+if TYPE_CHECKING:
+    from service.results import Publisher
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -33,6 +38,7 @@ class Maintenance:
         health: DatabaseHealth,
         holding: collections.Counter[str],
         started_at: float,
+        publisher: Publisher | None = None,
     ) -> None:
         self.s = settings
         self.queue = queue
@@ -40,16 +46,26 @@ class Maintenance:
         self.health = health
         self.holding = holding  # request_ids claimed by batches in flight
         self.started_at = started_at
+        self.publisher = publisher
         self.sqs_ok = True  # the last SQS call (receive or GetQueueAttributes) worked
         self._oldest_sent: float | None = None
         self._last_oldest_sent: float | None = None
 
     def start(self) -> list[asyncio.Task[None]]:
-        return [
+        tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._gc_loop(), name="gc"),
             asyncio.create_task(self._queue_attributes_loop(), name="queue-attributes"),
         ]
+        if self.publisher is not None:
+            tasks += self.publisher.start()
+        return tasks
+
+    async def publish_pending(self, seconds: float) -> None:
+        """At a graceful stop, after the batches finished: send what is pending."""
+        if self.publisher is not None and seconds > 0:
+            sent = await self.publisher.drain(seconds)
+            log.info("results_published_at_stop", count=sent)
 
     def note_sent(self, batch: Sequence[Received]) -> None:
         sent = [m.sent_timestamp for m in batch if m.sent_timestamp]

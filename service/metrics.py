@@ -80,6 +80,21 @@ queue_oldest_age = Gauge(
     "(CloudWatch ApproximateAgeOfOldestMessage is authoritative)",
     registry=REGISTRY,
 )
+results_published = Counter(
+    P + "results_published", "Result messages accepted by the results destination",
+    ["status"], registry=REGISTRY,
+)
+results_publish_failures = Counter(
+    P + "results_publish_failures",
+    "Results calls or entries the destination refused (the rows stay pending)",
+    registry=REGISTRY,
+)
+outbox_pending = Gauge(P + "outbox_pending", "Outbox rows not yet published",
+                       registry=REGISTRY)
+outbox_oldest_age = Gauge(
+    P + "outbox_oldest_age_seconds", "now - completed_at of the oldest unpublished outbox row",
+    registry=REGISTRY,
+)
 ready = Gauge(P + "ready", "1 when /readyz answers 200", registry=REGISTRY)
 build_info = Info(P + "build", "Build information", registry=REGISTRY)
 build_info.info({"version": __version__})

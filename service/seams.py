@@ -4,6 +4,7 @@ that cross them. ``service.sqs.SqsQueue`` / ``service.store.Store`` are the real
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -49,25 +50,46 @@ class DeadLetter:
     request_id: str | None
     request_type: str | None
     receive_count: int | None
+    group_id: str | None = None  # the source's MessageGroupId (a FIFO result's group)
 
     @classmethod
     def of_poison(cls, p: Poison) -> DeadLetter:
         # A poison message's request_id/type are whatever the producer sent (NUL too).
         return cls(
             p.raw.message_id, p.raw.body, p.reason, storable(p.error), storable(p.request_id),
-            storable(p.type), p.raw.receive_count,
+            storable(p.type), p.raw.receive_count, p.raw.group_id,
         )
 
     @classmethod
     def of_message(cls, m: Message, reason: str, error: str) -> DeadLetter:
         return cls(
             m.raw.message_id, m.raw.body, reason, storable(error), m.request_id, m.type,
-            m.raw.receive_count,
+            m.raw.receive_count, m.raw.group_id,
         )
 
     @classmethod
     def of_received(cls, r: Received, reason: str, error: str) -> DeadLetter:
-        return cls(r.message_id, r.body, reason, storable(error), None, None, r.receive_count)
+        return cls(r.message_id, r.body, reason, storable(error), None, None, r.receive_count,
+                   r.group_id)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """One result waiting in ``outbox``: what is published, once its outcome committed."""
+
+    id: int
+    request_id: str
+    request_type: str | None
+    status: str  # COMPLETED | FAILED
+    result: Any
+    reason: str | None
+    completed_at: datetime
+    group_id: str | None
+
+
+#: Sends claimed rows to the destination; returns the ids it accepted (the others stay
+#: pending). Raises ``TransientError`` when the destination refused the whole call.
+SendRows = Callable[[list[OutboxRow]], Awaitable[set[int]]]
 
 
 HandlerCall = Callable[[Message, Any], Awaitable[dict[str, Any] | None]]
@@ -136,3 +158,21 @@ class StoreSeam(Protocol):
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int
     ) -> dict[str, int]: ...
+
+
+class OutboxSeam(Protocol):
+    """The store side of the results publisher (``service.results``)."""
+
+    #: Set whenever this process commits outbox rows (the publisher wakes at once).
+    outbox_written: asyncio.Event
+
+    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
+        """Claim up to ``limit`` unpublished rows (skipping those another publisher holds),
+        ``send`` them, mark the accepted ones published, in one transaction. Returns
+        (claimed, published)."""
+
+    async def outbox_stats(self) -> tuple[int, float]:
+        """(pending rows, age in seconds of the oldest pending row)."""
+
+    async def prune_outbox(self, older_than_seconds: float, limit: int) -> int:
+        """Delete published rows older than the retention; returns how many."""

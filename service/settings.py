@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "INGEST_"
@@ -46,6 +46,13 @@ class Settings(BaseSettings):
         queue_attributes_interval: seconds between GetQueueAttributes for the depth gauges.
         db_pool_size: PostgreSQL connections.
         log_format / log_level: ``json`` (default) or ``console``.
+        results_topic_arn / results_queue_url: where each outcome's result message goes
+            (SNS topic or SQS queue; at most one; unset = no results).
+        results_endpoint_url: endpoint of that destination's API (default:
+            ``sqs_endpoint_url``).
+        results_publishers: concurrent publishing loops per replica (ten results a call).
+        results_retention_days: published outbox rows are kept this long, then deleted.
+        results_send_timeout: seconds one PublishBatch/SendMessageBatch may take.
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
             the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
@@ -77,6 +84,12 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tracing: bool = False
+    results_topic_arn: str | None = None
+    results_queue_url: str | None = None
+    results_endpoint_url: str | None = None
+    results_publishers: int = Field(2, ge=1, le=32)
+    results_retention_days: float = Field(7.0, ge=0)
+    results_send_timeout: float = Field(10.0, gt=0)
 
     @field_validator("database_url")
     @classmethod
@@ -99,10 +112,35 @@ class Settings(BaseSettings):
             raise ValueError("must be an http(s):// URL")
         return v or None
 
+    @field_validator("results_topic_arn")
+    @classmethod
+    def _topic_arn(cls, v: str | None) -> str | None:
+        if v and not v.startswith("arn:"):
+            raise ValueError("must be an SNS topic ARN (arn:…:sns:…)")
+        return v or None
+
+    @field_validator("results_queue_url")
+    @classmethod
+    def _results_queue(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an SQS queue URL (http(s)://…)")
+        if v and info.data.get("results_topic_arn"):
+            raise ValueError("and INGEST_RESULTS_TOPIC_ARN are both set: choose one")
+        return v or None
+
+    @field_validator("results_endpoint_url")
+    @classmethod
+    def _results_endpoint(cls, v: str | None) -> str | None:
+        return cls._endpoint(v)
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v
+
+    @property
+    def results_enabled(self) -> bool:
+        return bool(self.results_topic_arn or self.results_queue_url)
 
     @property
     def is_fifo(self) -> bool:

@@ -3,6 +3,7 @@ Every statement is named in ``sql/queries.sql``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -26,13 +27,17 @@ from service.seams import (
     ClaimResult,
     DeadLetter,
     HandlerCall,
+    OutboxRow,
+    OutboxSeam,
+    SendRows,
     StoreSeam,
 )
 from service.sql import queries
 
 __all__ = [
     "CONNECTION_ERRORS", "DATA_ERRORS", "DB_ERRORS", "ApplyResult", "BatchCall", "BatchKey",
-    "ClaimResult", "DeadLetter", "HandlerCall", "Store", "StoreSeam", "claim", "create_pool",
+    "ClaimResult", "DeadLetter", "HandlerCall", "OutboxSeam", "Store", "StoreSeam", "claim",
+    "create_pool",
 ]
 
 Q = queries()
@@ -123,6 +128,9 @@ class Store:
         pool: asyncpg.Pool,
         worker_id: str | None = None,
         control_pool: asyncpg.Pool | None = None,
+        *,
+        results: bool = False,
+        outbox_pool: asyncpg.Pool | None = None,
     ) -> None:
         self.pool = pool
         # Heartbeats and GC get their own connections: with every batch connection busy
@@ -130,6 +138,14 @@ class Store:
         # other replicas collect our live claims.
         self.control = control_pool or pool
         self.worker_id = worker_id or new_worker_id()
+        # Results on: completions and dead letters write their outbox row in the same
+        # statement. Off: the statements of before, nothing more.
+        self.results = results
+        # The publisher holds its claim across the send: its own connections, so a slow
+        # destination never takes one from the batches or the heartbeat.
+        self.outbox_pool = outbox_pool or self.control
+        self.outbox_written = asyncio.Event()
+        self._dead_letter_q = Q["dead_letter_with_result" if results else "dead_letter"]
 
     # -- workers -----------------------------------------------------------------------
 
@@ -210,10 +226,12 @@ class Store:
         async with connection(self.pool) as conn:
             while True:
                 attempt = _Attempt(conn, self.worker_id, call, None if singly else batch,
-                                   fifo, may_rerun=reruns < MAX_RERUNS)
+                                   fifo, may_rerun=reruns < MAX_RERUNS, results=self.results)
                 step = await attempt.run(todo)
                 if isinstance(step, _Committed):
                     step.into(result)
+                    if self.results and step.live:
+                        self.outbox_written.set()
                     return result
                 if isinstance(step, _Failed):
                     result.failed.append((step.message, step.error))
@@ -230,7 +248,9 @@ class Store:
         if not letters:
             return
         async with connection(self.pool) as conn:
-            await conn.execute(Q["dead_letter"], *_dead_letter_args(letters))
+            await conn.execute(self._dead_letter_q, *self._dead_letter_args(letters))
+        if self.results:
+            self.outbox_written.set()
 
     async def release(self, messages: Sequence[Message]) -> None:
         """Give back this worker's claims made for exactly these SQS messages."""
@@ -261,9 +281,47 @@ class Store:
                 if counts[m.request_id] >= max_failures
             ]
             if exhausted:
-                await conn.execute(Q["dead_letter"], *_dead_letter_args(exhausted))
+                await conn.execute(self._dead_letter_q, *self._dead_letter_args(exhausted))
                 await conn.execute(Q["clear_attempts"], [d.request_id for d in exhausted])
-            return counts
+        if exhausted and self.results:
+            self.outbox_written.set()
+        return counts
+
+    def _dead_letter_args(self, letters: Sequence[DeadLetter]) -> list[list[Any]]:
+        args = _dead_letter_args(letters)
+        if self.results:
+            args.append([d.group_id for d in letters])
+        return args
+
+    # -- results out (the outbox) ------------------------------------------------------
+
+    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
+        """Claim → send → mark, one transaction: a crash before the mark leaves the rows
+        pending (sent again: at least once, absorbed by a FIFO destination's dedup id); a
+        row another publisher holds is skipped, never sent twice at the same time."""
+        async with connection(self.outbox_pool) as conn, conn.transaction():
+            rows = [_outbox_row(r) for r in await conn.fetch(Q["outbox_claim"], limit, fifo)]
+            if not rows:
+                return 0, 0
+            sent = await send(rows)
+            if sent:
+                await conn.execute(Q["outbox_mark_published"], sorted(sent))
+            return len(rows), len(sent)
+
+    async def outbox_stats(self) -> tuple[int, float]:
+        async with connection(self.outbox_pool) as conn:
+            r = await conn.fetchrow(Q["outbox_stats"])
+        return int(r["pending"]), float(r["oldest_age"])
+
+    async def prune_outbox(self, older_than_seconds: float, limit: int) -> int:
+        async with connection(self.outbox_pool) as conn:
+            status = await conn.execute(Q["outbox_prune"], older_than_seconds, limit)
+        return int(status.split()[-1])
+
+
+def _outbox_row(r: asyncpg.Record) -> OutboxRow:
+    return OutboxRow(r["id"], r["request_id"], r["request_type"], r["status"], r["result"],
+                     r["reason"], r["completed_at"], r["group_id"])
 
 
 async def claim(
@@ -343,9 +401,10 @@ class _Attempt:
 
     def __init__(
         self, conn: Any, owner: str, call: HandlerCall, batch: Batching | None,
-        fifo: bool, may_rerun: bool,
+        fifo: bool, may_rerun: bool, results: bool = False,
     ) -> None:
         self.conn = conn
+        self.results = results
         self.owner = owner
         self.call = call
         self.batch = batch
@@ -366,8 +425,11 @@ class _Attempt:
         results = await self._handlers(live)
         outputs = [results[id(m)] for m in live]
         if live:
-            done = await self.conn.fetch(
-                Q["complete"], [m.request_id for m in live], outputs, self.owner)
+            ids = [m.request_id for m in live]
+            done = await (
+                self.conn.fetch(Q["complete_with_result"], ids, outputs, self.owner,
+                                [m.raw.group_id for m in live])
+                if self.results else self.conn.fetch(Q["complete"], ids, outputs, self.owner))
             if len(done) != len(live):
                 # Cannot happen while the fence locks hold; be loud if it does.
                 raise RuntimeError("fenced completion lost rows under lock")

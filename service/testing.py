@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from service.errors import AckFailed, DatabaseUnavailable
@@ -25,7 +25,10 @@ from service.seams import (
     ClaimResult,
     DeadLetter,
     HandlerCall,
+    OutboxRow,
+    OutboxSeam,
     QueueSeam,
+    SendRows,
     StoreSeam,
 )
 
@@ -149,6 +152,13 @@ class FakeWorker:
 
 
 @dataclass
+class FakeOutboxRow:
+    row: OutboxRow
+    published_at: float | None = None
+    locked: bool = False  # claimed by a publisher whose send is in flight
+
+
+@dataclass
 class FakeDatabase:
     """What several ``FakeStore`` workers share: the tables, and whether it is up."""
 
@@ -156,6 +166,7 @@ class FakeDatabase:
     dead: dict[str, DeadLetter] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     workers: dict[str, FakeWorker] = field(default_factory=dict)
+    outbox: list[FakeOutboxRow] = field(default_factory=list)
     down: bool = False
     schema_behind: bool = False
     schema_checks: int = 0
@@ -168,9 +179,14 @@ class FakeDatabase:
 class FakeStore:
     """In-memory twin of ``Store``. ``conn`` passed to handlers is None."""
 
-    def __init__(self, worker_id: str = "fake-worker", db: FakeDatabase | None = None) -> None:
+    def __init__(
+        self, worker_id: str = "fake-worker", db: FakeDatabase | None = None,
+        results: bool = False,
+    ) -> None:
         self.worker_id = worker_id
         self.db = db or FakeDatabase()
+        self.results = results
+        self.outbox_written = asyncio.Event()
         # The shared tables, as the worker tests read them.
         self.rows, self.dead, self.failures = self.db.rows, self.db.dead, self.db.failures
 
@@ -296,12 +312,27 @@ class FakeStore:
             row.status, row.result = "COMPLETED", out
             self.db.failures.pop(m.request_id, None)
             res.completed.append((m, out))
+            if self.results:
+                self._result(m.request_id, m.type, "COMPLETED", out, None, m.raw.group_id)
         return res
+
+    def _result(self, request_id: str, type_: str | None, status: str, result: Any,
+                reason: str | None, group_id: str | None) -> None:
+        row = OutboxRow(len(self.db.outbox) + 1, request_id, type_, status, result, reason,
+                        datetime.now(UTC), group_id)
+        self.db.outbox.append(FakeOutboxRow(row))
+        self.outbox_written.set()
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self._check()
         for d in letters:
-            self.db.dead.setdefault(d.sqs_message_id, d)
+            if d.sqs_message_id in self.db.dead:
+                continue  # stored once, one result
+            self.db.dead[d.sqs_message_id] = d
+            if (self.results and d.request_id is not None
+                    and d.reason != "idempotency_key_reused"):
+                self._result(d.request_id, d.request_type, "FAILED", None, d.reason,
+                             d.group_id)
 
     async def release(self, messages: Sequence[Message]) -> None:
         self._check()
@@ -325,6 +356,70 @@ class FakeStore:
                 await self.dead_letter([DeadLetter.of_message(m, "max_receives_exceeded", err)])
                 self.db.failures.pop(m.request_id)
         return counts
+
+
+    # -- results out -------------------------------------------------------------------
+
+    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
+        self._check()
+        pending = [r for r in self.db.outbox if r.published_at is None]
+        taken = [r for r in pending if not r.locked][:limit]
+        if fifo:  # a group waits behind an older pending row another publisher holds
+            held_groups = {r.row.group_id for r in pending
+                           if r.locked and r.row.group_id is not None}
+            taken = [r for r in taken if r.row.group_id not in held_groups]
+        if not taken:
+            return 0, 0
+        for r in taken:
+            r.locked = True
+        try:
+            sent = await send([r.row for r in taken])
+            self._check()  # the mark is a statement too
+            for r in taken:
+                if r.row.id in sent:
+                    r.published_at = time.time()
+        finally:
+            for r in taken:
+                r.locked = False
+        return len(taken), len(sent)
+
+    async def outbox_stats(self) -> tuple[int, float]:
+        self._check()
+        pending = [r.row.completed_at for r in self.db.outbox if r.published_at is None]
+        age = (datetime.now(UTC) - min(pending)).total_seconds() if pending else 0.0
+        return len(pending), age
+
+    async def prune_outbox(self, older_than_seconds: float, limit: int) -> int:
+        self._check()
+        cutoff = time.time() - older_than_seconds
+        old = [r for r in self.db.outbox
+               if r.published_at is not None and r.published_at < cutoff][:limit]
+        for r in old:
+            self.db.outbox.remove(r)
+        return len(old)
+
+
+class FakeSink:
+    """An in-memory results destination (``service.results.ResultsSink``): records what
+    it accepted; ``refuse`` makes every call fail, ``refuse_ids`` single entries."""
+
+    def __init__(self, fifo: bool = False) -> None:
+        self.fifo = fifo
+        self.sent: list[OutboxRow] = []
+        self.refuse = False
+        self.refuse_ids: set[int] = set()
+        self.calls = 0
+
+    async def send(self, rows: Sequence[OutboxRow]) -> set[int]:
+        from service.errors import TransientError
+
+        self.calls += 1
+        await asyncio.sleep(0)  # a real send yields: another publisher may run meanwhile
+        if self.refuse:
+            raise TransientError("fake destination refuses")
+        ok = [r for r in rows if r.id not in self.refuse_ids]
+        self.sent.extend(ok)
+        return {r.id for r in ok}
 
 
 def _held_by(worker_id: str, row: Row | None) -> bool:
@@ -353,6 +448,8 @@ async def _run_batched(
     return done
 
 
-def _conforms(queue: FakeQueue, store: FakeStore) -> tuple[QueueSeam, StoreSeam]:
+def _conforms(
+    queue: FakeQueue, store: FakeStore
+) -> tuple[QueueSeam, StoreSeam, OutboxSeam]:
     """mypy checks here that the fakes satisfy the seams the worker is typed against."""
-    return queue, store
+    return queue, store, store

@@ -9,7 +9,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -25,6 +25,9 @@ from service.retry import Backoff, RetryPolicy, wait_any
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 from service.store import DB_ERRORS
+
+if TYPE_CHECKING:
+    from service.results import Publisher
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -51,6 +54,7 @@ class Worker:
         *,
         visibility_timeout: int = 30,
         rng: Callable[[], float] = random.random,
+        publisher: Publisher | None = None,
     ) -> None:
         self.s = settings
         self.queue = queue
@@ -75,7 +79,8 @@ class Worker:
             fatal=self._fatal,
         )
         self.maintenance = Maintenance(
-            settings, queue, store, self.health, self.batches.holding, self.started_at
+            settings, queue, store, self.health, self.batches.holding, self.started_at,
+            publisher,
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -142,6 +147,11 @@ class Worker:
             t.cancel()
         self.health.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self.exit_code == EXIT_OK and not self._force.is_set():
+            # Results pending at SIGTERM go out within what is left of the drain deadline;
+            # after a kill -9 they wait in the outbox for the next process or a replica.
+            await self.maintenance.publish_pending(
+                self.s.shutdown_timeout - (time.monotonic() - self._stop_requested_at))
         try:
             released = await asyncio.wait_for(self.store.stop_worker(), timeout=5)
             if released:

@@ -44,6 +44,26 @@ UPDATE modifications AS m
  WHERE m.request_id = u.request_id AND m.owner = $3 AND m.status = 'IN_PROGRESS'
 RETURNING m.request_id
 
+-- name: complete_with_result
+-- `complete` plus its result row in `outbox`, in the same statement (results on): no
+-- commit without its result, no result without its commit. $4: the source group per
+-- request (FIFO destination's MessageGroupId), aligned with $1.
+WITH done AS (
+    UPDATE modifications AS m
+       SET status = 'COMPLETED', completed_at = now(), result = u.result::jsonb
+      FROM unnest($1::text[], $2::text[]) AS u(request_id, result)
+     WHERE m.request_id = u.request_id AND m.owner = $3 AND m.status = 'IN_PROGRESS'
+    RETURNING m.request_id, m.request_type, m.result, m.completed_at
+), out AS (
+    INSERT INTO outbox (request_id, request_type, status, result, completed_at, group_id)
+    SELECT d.request_id, d.request_type, 'COMPLETED', d.result, d.completed_at, g.group_id
+      FROM done d
+      JOIN unnest($1::text[], $4::text[]) WITH ORDINALITY AS g(request_id, group_id, n)
+        ON g.request_id = d.request_id
+     ORDER BY g.n  -- ids in batch order: a FIFO group's results leave in that order
+)
+SELECT request_id FROM done
+
 -- name: clear_attempts
 DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
 
@@ -67,6 +87,64 @@ INSERT INTO dead_letters
     (sqs_message_id, body, reason, error, request_id, request_type, receive_count)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[])
 ON CONFLICT (sqs_message_id) DO NOTHING
+
+-- name: dead_letter_with_result
+-- `dead_letter` plus a FAILED result for each row actually inserted (a redelivered
+-- poison message is stored once, so it yields one result) that has a request_id, except
+-- idempotency_key_reused: that key belongs to another request, whose result it is not.
+WITH ins AS (
+    INSERT INTO dead_letters
+        (sqs_message_id, body, reason, error, request_id, request_type, receive_count)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[])
+    ON CONFLICT (sqs_message_id) DO NOTHING
+    RETURNING sqs_message_id, request_id, request_type, reason, received_at
+)
+INSERT INTO outbox (request_id, request_type, status, reason, completed_at, group_id)
+SELECT ins.request_id, ins.request_type, 'FAILED', ins.reason, ins.received_at, g.group_id
+  FROM ins
+  -- DISTINCT: the same message twice in one call is one row of ins, so one result.
+  JOIN (SELECT DISTINCT ON (sqs_message_id) * FROM unnest($1::text[], $8::text[])
+          WITH ORDINALITY AS u(sqs_message_id, group_id, n)
+         ORDER BY sqs_message_id, n) AS g
+    ON g.sqs_message_id = ins.sqs_message_id
+ WHERE ins.request_id IS NOT NULL AND ins.reason <> 'idempotency_key_reused'
+ ORDER BY g.n
+
+-- name: outbox_claim
+-- Up to $1 unpublished rows, oldest first, locked until the publisher's transaction ends
+-- (sent, then marked): SKIP LOCKED lets replicas share the work and never send a row that
+-- another one holds. On a FIFO destination ($2) a row waits while an older row of its group
+-- is pending outside this claim (held by another publisher): a group leaves in commit order.
+WITH c AS (
+    SELECT id, request_id, request_type, status, result, reason, completed_at, group_id
+      FROM outbox
+     WHERE published_at IS NULL
+     ORDER BY id
+     LIMIT $1
+       FOR UPDATE SKIP LOCKED
+)
+SELECT * FROM c
+ WHERE NOT $2::boolean OR c.group_id IS NULL OR NOT EXISTS (
+       SELECT 1 FROM outbox o
+        WHERE o.published_at IS NULL AND o.group_id = c.group_id AND o.id < c.id
+          AND o.id NOT IN (SELECT id FROM c))
+ ORDER BY id
+
+-- name: outbox_mark_published
+UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])
+
+-- name: outbox_stats
+SELECT count(*) AS pending,
+       coalesce(extract(epoch FROM now() - min(completed_at)), 0)::float8 AS oldest_age
+  FROM outbox WHERE published_at IS NULL
+
+-- name: outbox_prune
+-- Published rows past their retention, in short batches (never an unpublished row).
+DELETE FROM outbox
+ WHERE id IN (SELECT id FROM outbox
+               WHERE published_at < now() - make_interval(secs => $1)
+               ORDER BY id LIMIT $2
+                 FOR UPDATE SKIP LOCKED)
 
 -- name: register_worker
 INSERT INTO workers (worker_id, worker_name, hostname, pid) VALUES ($1, $2, $3, $4)

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from service.messages import Message, Received
-from service.seams import DeadLetter, StoreSeam
+from service.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
 from service.store import Store, create_pool
 from service.testing import FakeDatabase, FakeStore, FakeWorker
 from tests.conftest import fresh_database
@@ -36,19 +36,24 @@ async def ok(m: Message, conn: Any) -> dict[str, Any]:
     return {"n": m.payload.n}  # type: ignore[attr-defined]
 
 
+class ResultStore(StoreSeam, OutboxSeam, Protocol):
+    """Both seams of a store (the real one and the fake implement both)."""
+
+
 class Backend(Protocol):
-    async def store(self, worker_id: str) -> StoreSeam: ...
+    async def store(self, worker_id: str, results: bool = False) -> ResultStore: ...
     async def kill(self, worker_id: str) -> None: ...
     async def statuses(self) -> dict[str, tuple[str, str]]: ...
     async def letters(self) -> dict[str, tuple[str, str]]: ...
+    async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]: ...
 
 
 class FakeBackend:
     def __init__(self) -> None:
         self.db = FakeDatabase()
 
-    async def store(self, worker_id: str) -> StoreSeam:
-        s = FakeStore(worker_id, self.db)
+    async def store(self, worker_id: str, results: bool = False) -> ResultStore:
+        s = FakeStore(worker_id, self.db, results=results)
         await s.register_worker(worker_id)
         return s
 
@@ -61,13 +66,17 @@ class FakeBackend:
     async def letters(self) -> dict[str, tuple[str, str]]:
         return {k: (d.reason, d.body) for k, d in self.db.dead.items()}
 
+    async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]:
+        return sorted((o.row.request_id, o.row.status, o.row.result, o.row.reason,
+                       o.row.group_id, o.published_at is not None) for o in self.db.outbox)
+
 
 class RealBackend:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
 
-    async def store(self, worker_id: str) -> StoreSeam:
-        s = Store(self.pool, worker_id)
+    async def store(self, worker_id: str, results: bool = False) -> ResultStore:
+        s = Store(self.pool, worker_id, results=results)
         await s.register_worker(worker_id)
         return s
 
@@ -82,6 +91,11 @@ class RealBackend:
     async def letters(self) -> dict[str, tuple[str, str]]:
         rows = await self.pool.fetch("SELECT sqs_message_id, reason, body FROM dead_letters")
         return {r["sqs_message_id"]: (r["reason"], r["body"]) for r in rows}
+
+    async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]:
+        rows = await self.pool.fetch("SELECT request_id, status, result, reason, group_id,"
+                                     " published_at IS NOT NULL AS published FROM outbox")
+        return sorted(tuple(r.values()) for r in rows)  # type: ignore[misc]
 
 
 @pytest.fixture(params=["fake", "postgres"])
@@ -233,3 +247,106 @@ async def test_stop_releases_own_claims_and_marks_stopped(backend: Backend) -> N
 
 def test_fake_worker_record_is_public() -> None:
     assert FakeWorker("x").stopped is False
+
+
+# -- results out: the outbox ---------------------------------------------------------------
+
+
+def letter(mid: str, reason: str, rid: str | None, group: str | None = None) -> DeadLetter:
+    return DeadLetter(mid, "{}", reason, "err", rid, "note" if rid else None, 1, group)
+
+
+async def test_outbox_rows_come_with_the_outcome_only_when_results_are_on(
+    backend: Backend,
+) -> None:
+    off = await backend.store("w-off")
+    await off.claim([msg("r0")])
+    await off.apply([msg("r0")], ok)
+    await off.dead_letter([letter("m-off", "invalid_payload", "r0-bad")])
+    assert await backend.outbox() == []  # results off: nothing written, nothing to send
+
+    a = await backend.store("w-a", results=True)
+    await a.claim([msg("r1", group="g1"), msg("r2")])
+    await a.apply([msg("r1", group="g1"), msg("r2")], ok)
+    await a.dead_letter([
+        letter("m-p", "invalid_payload", "p1", "g2"),
+        letter("m-p", "invalid_payload", "p1", "g2"),  # the same message again: stored once
+        letter("m-reuse", "idempotency_key_reused", "r1"),  # another request's key: none
+        letter("m-nokey", "invalid_json", None),  # no request_id: nobody to tell
+    ])
+    await a.claim([msg("r3")])
+    assert await a.record_failures([(msg("r3"), "boom")], max_failures=1) == {"r3": 1}
+    assert await backend.outbox() == [
+        ("p1", "FAILED", None, "invalid_payload", "g2", False),
+        ("r1", "COMPLETED", {"n": 1}, None, "g1", False),
+        ("r2", "COMPLETED", {"n": 1}, None, None, False),
+        ("r3", "FAILED", None, "max_receives_exceeded", None, False),
+    ]
+    assert a.outbox_written.is_set()  # the publisher is woken
+
+
+async def test_publish_marks_only_what_the_destination_accepted(backend: Backend) -> None:
+    a = await backend.store("w-a", results=True)
+    ms = [msg(f"r{i}") for i in range(12)]
+    await a.claim(ms)
+    await a.apply(ms, ok)
+    assert (await a.outbox_stats())[0] == 12
+    seen: list[list[str]] = []
+
+    async def half(rows: list[OutboxRow]) -> set[int]:
+        seen.append([r.request_id for r in rows])
+        # r3's entry is refused the first time only (a per-entry failure).
+        return {r.id for r in rows if r.request_id != "r3" or len(seen) > 1}
+
+    assert await a.publish_outbox(half, 10, fifo=False) == (10, 9)
+    assert seen == [[f"r{i}" for i in range(10)]]  # oldest first
+    pending, age = await a.outbox_stats()
+    assert pending == 3 and age >= 0
+    assert await a.publish_outbox(half, 10, fifo=False) == (3, 3)
+    assert seen[1] == ["r3", "r10", "r11"]
+    assert await a.publish_outbox(half, 10, fifo=False) == (0, 0)
+    assert (await a.outbox_stats())[0] == 0
+    assert all(published for *_, published in await backend.outbox())
+    assert await a.prune_outbox(3600, 100) == 0  # within the retention: kept
+    assert await a.prune_outbox(0, 5) == 5 and await a.prune_outbox(0, 100) == 7
+    assert await backend.outbox() == []
+
+
+async def test_publishers_never_hold_the_same_row_and_keep_a_group_in_order(
+    backend: Backend,
+) -> None:
+    import asyncio
+
+    a = await backend.store("w-a", results=True)
+    b = await backend.store("w-b", results=True)
+    ms = [msg("a1", group="g"), msg("a2", group="h"), msg("a3")]
+    await a.claim(ms)
+    await a.apply(ms[:2], ok)  # a1 (group g), a2 (group h)
+    await a.apply(ms[2:], ok)
+    await a.claim([msg("a4", group="g")])
+    await a.apply([msg("a4", group="g")], ok)  # a4: group g, after a1
+    inside = asyncio.Event()
+    go = asyncio.Event()
+    by_a: list[str] = []
+
+    async def slow(rows: list[OutboxRow]) -> set[int]:
+        by_a.extend(r.request_id for r in rows)
+        inside.set()
+        await go.wait()
+        return {r.id for r in rows}
+
+    first = asyncio.create_task(a.publish_outbox(slow, 1, fifo=True))  # holds a1
+    await asyncio.wait_for(inside.wait(), 10)
+    by_b: list[str] = []
+
+    async def record(rows: list[OutboxRow]) -> set[int]:
+        by_b.extend(r.request_id for r in rows)
+        return {r.id for r in rows}
+
+    # a1 is held by the first publisher: skipped, and a4 (same group) waits behind it.
+    assert await b.publish_outbox(record, 10, fifo=True) == (2, 2)
+    go.set()
+    assert await asyncio.wait_for(first, 10) == (1, 1)
+    assert (by_a, by_b) == (["a1"], ["a2", "a3"])
+    assert await b.publish_outbox(record, 10, fifo=True) == (1, 1)
+    assert by_b[-1] == "a4"

@@ -24,7 +24,7 @@ from tests.servers import Postgres
 
 #: What migrations/ holds, written out: a file that goes missing, is renamed or is not
 #: picked up by the loader must change this list (not be taken from the loader itself).
-EXPECTED = [(1, "core")]
+EXPECTED = [(1, "core"), (2, "outbox")]
 
 
 async def empty_db(pg: Postgres) -> str:
@@ -45,7 +45,8 @@ async def test_every_migration_applies_to_an_empty_database_once(pg_server: Post
         tables = {r["tablename"] for r in await conn.fetch(
             "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
         assert {"modifications", "dead_letters", "entities", "reconciliation_runs",
-                "reconciliation_discrepancies", "workers", "ingest_schema_migrations"} <= tables
+                "reconciliation_discrepancies", "workers", "ingest_schema_migrations",
+                "outbox"} <= tables
         cols = {r["column_name"] for r in await conn.fetch(
             "SELECT column_name FROM information_schema.columns WHERE table_name='modifications'")}
         assert {"request_id", "request_type", "payload", "payload_sha256", "status",

@@ -1,0 +1,280 @@
+"""Results out: the publisher of the transactional outbox (SPEC §5).
+
+Completions and dead letters write their ``outbox`` row in the statement that commits them
+(``service.store``); this module sends those rows to an SNS topic or an SQS queue afterwards,
+ten per call, and marks them published only once the destination accepted them. It runs
+beside the pollers and never blocks them: with the destination down, ingestion goes on, the
+outbox grows, and ``sqs_ingest_outbox_oldest_age_seconds`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC
+from typing import Any, Protocol
+
+import orjson
+import structlog
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import BotoCoreError, ClientError
+
+from service import metrics
+from service.errors import TransientError
+from service.retry import Backoff, sleep_or_stop
+from service.seams import OutboxRow, OutboxSeam
+from service.settings import Settings
+from service.store import DB_ERRORS
+
+log = structlog.get_logger("sqs_ingest.results")
+
+#: A failed publish attempt: the destination, or the database under the claim.
+_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (TransientError, *DB_ERRORS)
+
+#: PublishBatch / SendMessageBatch take at most ten entries.
+BATCH = 10
+#: Rows one claim takes: up to this many calls of ten per transaction (fewer round trips to
+#: the database when a backlog drains). Concurrent on a standard destination; in order on a
+#: FIFO one, where a group's results must leave in commit order.
+CLAIM = 5 * BATCH
+# MessageDeduplicationId / MessageGroupId: up to 128 of these characters.
+_SQS_ID = re.compile(r"[A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]{1,128}")
+
+
+def result_body(row: OutboxRow) -> str:
+    """The published JSON: {"request_id","type","status","result","reason","completed_at"}."""
+    completed = row.completed_at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    return orjson.dumps({
+        "request_id": row.request_id, "type": row.request_type, "status": row.status,
+        "result": row.result, "reason": row.reason, "completed_at": completed,
+    }).decode()
+
+
+def fifo_id(value: str) -> str:
+    """``value`` when SQS/SNS accept it as a deduplication or group id; otherwise (a longer
+    id, or characters outside ASCII punctuation/alphanumerics) its SHA-256, stable for the
+    same value, so deduplication still holds."""
+    if _SQS_ID.fullmatch(value):
+        return value
+    return "sha256-" + hashlib.sha256(value.encode()).hexdigest()
+
+
+def entry(index: int, row: OutboxRow, fifo: bool) -> dict[str, Any]:
+    """One batch entry, in the shape both PublishBatch and SendMessageBatch take (the body
+    key differs: see the sinks)."""
+    e: dict[str, Any] = {
+        "Id": str(index),
+        "MessageAttributes": {
+            "request_id": {"DataType": "String", "StringValue": row.request_id}},
+    }
+    if fifo:
+        # A republish after a crash (sent, not yet marked) is absorbed by the destination.
+        e["MessageDeduplicationId"] = fifo_id(f"{row.request_id}:{row.status}")
+        # The source's group (the producer's ordering key) keeps its order; without one
+        # (standard source) there is no order to keep: the request is its own group.
+        e["MessageGroupId"] = fifo_id(row.group_id or row.request_id)
+    return e
+
+
+class ResultsSink(Protocol):
+    """A destination: sends up to ten rows, returns the ids of those accepted."""
+
+    fifo: bool
+
+    async def send(self, rows: Sequence[OutboxRow]) -> set[int]: ...
+
+
+def _accepted(rows: Sequence[OutboxRow], resp: dict[str, Any], what: str) -> set[int]:
+    failed = resp.get("Failed") or []
+    if failed:
+        metrics.results_publish_failures.inc(len(failed))
+        log.warning("results_entries_failed", operation=what,
+                    errors=sorted({f"{f.get('Code')}: {f.get('Message', '')}" for f in failed}))
+    ok = {int(s["Id"]) for s in resp.get("Successful") or []}
+    return {rows[i].id for i in ok}
+
+
+class SnsSink:
+    """An SNS topic (PublishBatch); FIFO when its ARN ends in ``.fifo``."""
+
+    def __init__(self, client: Any, topic_arn: str) -> None:
+        self._client = client
+        self.topic_arn = topic_arn
+        self.fifo = topic_arn.endswith(".fifo")
+
+    async def send(self, rows: Sequence[OutboxRow]) -> set[int]:
+        entries = [{**entry(i, r, self.fifo), "Message": result_body(r)}
+                   for i, r in enumerate(rows)]
+        try:
+            resp = await self._client.publish_batch(
+                TopicArn=self.topic_arn, PublishBatchRequestEntries=entries)
+        except (ClientError, BotoCoreError) as exc:
+            raise TransientError(f"PublishBatch failed: {exc}") from exc
+        return _accepted(rows, resp, "publish_batch")
+
+
+class SqsSink:
+    """An SQS queue (SendMessageBatch); FIFO when its URL ends in ``.fifo``."""
+
+    def __init__(self, client: Any, queue_url: str) -> None:
+        self._client = client
+        self.queue_url = queue_url
+        self.fifo = queue_url.rstrip("/").endswith(".fifo")
+
+    async def send(self, rows: Sequence[OutboxRow]) -> set[int]:
+        entries = [{**entry(i, r, self.fifo), "MessageBody": result_body(r)}
+                   for i, r in enumerate(rows)]
+        try:
+            resp = await self._client.send_message_batch(QueueUrl=self.queue_url,
+                                                         Entries=entries)
+        except (ClientError, BotoCoreError) as exc:
+            raise TransientError(f"SendMessageBatch failed: {exc}") from exc
+        return _accepted(rows, resp, "send_message_batch")
+
+
+@contextlib.asynccontextmanager
+async def results_sink(settings: Settings) -> AsyncIterator[ResultsSink]:
+    """The configured destination with its own aiobotocore client (its own endpoint too:
+    ``INGEST_RESULTS_ENDPOINT_URL``, default ``INGEST_SQS_ENDPOINT_URL``)."""
+    service = "sns" if settings.results_topic_arn else "sqs"
+    config = AioConfig(connect_timeout=5, read_timeout=settings.results_send_timeout,
+                       retries={"max_attempts": 2, "mode": "standard"})
+    endpoint = settings.results_endpoint_url or settings.sqs_endpoint_url
+    async with get_session().create_client(
+        service, region_name=settings.aws_region, endpoint_url=endpoint, config=config
+    ) as client:
+        if settings.results_topic_arn:
+            yield SnsSink(client, settings.results_topic_arn)
+        else:
+            assert settings.results_queue_url is not None
+            yield SqsSink(client, settings.results_queue_url)
+
+
+class Publisher:
+    """Sends the outbox: ``concurrency`` loops, each claim → send → mark in one transaction
+    (``OutboxSeam.publish_outbox``), plus an upkeep loop for the gauges and retention."""
+
+    def __init__(
+        self,
+        store: OutboxSeam,
+        sink: ResultsSink,
+        *,
+        concurrency: int = 1,
+        retention_seconds: float = 7 * 86400,
+        poll_interval: float = 1.0,
+        stats_interval: float = 5.0,
+        prune_interval: float = 300.0,
+    ) -> None:
+        self.store = store
+        self.sink = sink
+        self.concurrency = concurrency
+        self.retention_seconds = retention_seconds
+        self.poll_interval = poll_interval
+        self.stats_interval = stats_interval
+        self.prune_interval = prune_interval
+        self._never = asyncio.Event()
+
+    def start(self) -> list[asyncio.Task[None]]:
+        tasks = [asyncio.create_task(self._publish_loop(), name=f"results-{i}")
+                 for i in range(self.concurrency)]
+        tasks.append(asyncio.create_task(self._upkeep_loop(), name="results-upkeep"))
+        return tasks
+
+    async def _send(self, rows: list[OutboxRow]) -> set[int]:
+        chunks = [rows[i:i + BATCH] for i in range(0, len(rows), BATCH)]
+        outcomes: list[set[int] | BaseException] = []
+        if self.sink.fifo:
+            for chunk in chunks:
+                try:
+                    outcomes.append(await self.sink.send(chunk))
+                except TransientError as exc:
+                    outcomes.append(exc)
+                    break  # the rest of a group must not overtake what failed
+        else:
+            outcomes = await asyncio.gather(*(self.sink.send(c) for c in chunks),
+                                            return_exceptions=True)
+        sent: set[int] = set()
+        for out in outcomes:
+            if isinstance(out, TransientError):
+                continue
+            if isinstance(out, BaseException):
+                raise out
+            sent |= out
+        if not sent and outcomes and isinstance(outcomes[0], TransientError):
+            raise outcomes[0]  # nothing went out: the destination is down
+        for r in rows:
+            if r.id in sent:
+                metrics.results_published.labels(r.status).inc()
+        return sent
+
+    async def publish_once(self) -> tuple[int, int]:
+        """One claim of up to ``CLAIM`` rows; (claimed, published)."""
+        return await self.store.publish_outbox(self._send, CLAIM, self.sink.fifo)
+
+    async def _publish_loop(self) -> None:
+        # Capped low: once the destination is back, the backlog starts within seconds.
+        backoff = Backoff(0.5, 5.0)
+        while True:
+            self.store.outbox_written.clear()
+            try:
+                claimed, sent = await self.publish_once()
+            except _PUBLISH_ERRORS as exc:
+                # Ingestion does not wait for this: the rows stay pending, the age grows.
+                metrics.results_publish_failures.inc()
+                log.warning("results_publish_failed", error=str(exc)[:500],
+                            retry_in=round(backoff.delay, 2))
+                await backoff.wait(self._never)
+                continue
+            if sent < claimed:
+                await backoff.wait(self._never)  # some entries refused: not in a tight loop
+                continue
+            backoff.reset()
+            if claimed < CLAIM:
+                # Woken at once by this process's own commits; other replicas' rows are
+                # found by the poll.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.store.outbox_written.wait(),
+                                           self.poll_interval)
+
+    async def _upkeep_loop(self) -> None:
+        last_prune = 0.0
+        while True:
+            try:
+                await self.update_gauges()
+                if time.monotonic() - last_prune >= self.prune_interval:
+                    last_prune = time.monotonic()
+                    while await self.store.prune_outbox(self.retention_seconds, 1000) == 1000:
+                        pass
+            except DB_ERRORS as exc:
+                log.warning("outbox_upkeep_failed", error=str(exc)[:500])
+            await sleep_or_stop(self.stats_interval, self._never)
+
+    async def update_gauges(self) -> None:
+        pending, age = await self.store.outbox_stats()
+        metrics.outbox_pending.set(pending)
+        metrics.outbox_oldest_age.set(age)
+
+    async def drain(self, seconds: float) -> int:
+        """At a graceful stop: publish what is pending until none is left or ``seconds``
+        runs out (what remains is for the next process or another replica). Returns the
+        rows published."""
+        deadline = time.monotonic() + seconds
+        published = 0
+        while time.monotonic() < deadline:
+            try:
+                claimed, sent = await asyncio.wait_for(
+                    self.publish_once(), max(0.1, deadline - time.monotonic()))
+            except _PUBLISH_ERRORS as exc:  # TimeoutError included (DB_ERRORS)
+                log.warning("results_drain_stopped", error=str(exc)[:500])
+                break
+            published += sent
+            if claimed == 0 or sent < claimed:
+                break
+        with contextlib.suppress(*DB_ERRORS, TimeoutError):
+            await asyncio.wait_for(self.update_gauges(), 2)
+        return published

@@ -1,0 +1,324 @@
+"""Results out through the transactional outbox, with the real ``sqs-ingest run`` process:
+kill -9 while publishing to a FIFO queue, an SNS topic fanned out to queues (raw delivery
+on and off), a destination that refuses for a while, two replicas publishing at once."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import boto3
+import pytest
+from aiohttp import web
+
+from tests.acceptance.harness import (
+    Daemon,
+    Workload,
+    chaos_seed,
+    check_invariants,
+    daemon_env,
+    send_all,
+    upsert,
+    wait_drained,
+)
+from tests.faultproxy import FaultProxy, _error
+from tests.servers import wait_until
+
+#: How long the refusing destination refuses (issue 10: 30 s).
+REFUSE_SECONDS = 30.0
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Starts daemons; any still running when the test ends (a failed test) is killed."""
+    started: list[Daemon] = []
+
+    def start(env: dict[str, str], name: str = "daemon") -> Daemon:
+        started.append(Daemon(env, tmp_path, name).start())
+        return started[-1]
+
+    yield start
+    for d in started:
+        if not d.exited():
+            d.kill9()
+
+
+def results_queue(sqs: Any, fifo: bool) -> str:
+    name = "results-" + uuid.uuid4().hex[:10] + (".fifo" if fifo else "")
+    # No content-based deduplication: only the daemon's MessageDeduplicationId counts.
+    attrs = {"FifoQueue": "true"} if fifo else {}
+    return str(sqs.create_queue(QueueName=name, Attributes=attrs)["QueueUrl"])
+
+
+def read_all(sqs: Any, url: str, quiet_polls: int = 2) -> list[dict[str, Any]]:
+    """Every message of ``url`` (deleted as read: a FIFO group gives the next one only then)."""
+    out: list[dict[str, Any]] = []
+    empty = 0
+    deadline = time.monotonic() + 240
+    while empty < quiet_polls:
+        assert time.monotonic() < deadline, "results queue never went quiet"
+        got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1,
+                                  MessageAttributeNames=["All"]).get("Messages", [])
+        empty = 0 if got else empty + 1
+        out.extend(got)
+        if got:
+            sqs.delete_message_batch(QueueUrl=url, Entries=[
+                {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(got)])
+    return out
+
+
+def results_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The result documents; each message's request_id attribute must match its body."""
+    docs = []
+    for m in messages:
+        doc = json.loads(m["Body"])
+        assert m["MessageAttributes"]["request_id"]["StringValue"] == doc["request_id"]
+        docs.append(doc)
+    return docs
+
+
+async def pending(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL"))
+    finally:
+        await conn.close()
+
+
+async def committed(dsn: str) -> tuple[set[str], set[str]]:
+    """(COMPLETED request_ids, request_ids of dead letters that are owed a result)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        done = {r[0] for r in await conn.fetch(
+            "SELECT request_id FROM modifications WHERE status = 'COMPLETED'")}
+        failed = {r[0] for r in await conn.fetch(
+            "SELECT request_id FROM dead_letters WHERE request_id IS NOT NULL"
+            " AND reason <> 'idempotency_key_reused'")}
+        return done, failed
+    finally:
+        await conn.close()
+
+
+def keyed_poison(w: Workload) -> set[str]:
+    """request_ids of the workload's poison bodies that carry one (each is owed FAILED)."""
+    out = set()
+    for p in w.poison:
+        try:
+            doc = json.loads(p)
+        except ValueError:
+            continue
+        if isinstance(doc.get("request_id"), str):
+            out.add(doc["request_id"])
+    return out
+
+
+async def wait_published(dsn: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (n := await pending(dsn)) > 0:
+        assert time.monotonic() < deadline, f"{n} results still pending"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(480)
+async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
+    database_url: str, make_queue: Any, sqs_client: Any, sqs_endpoint: str, spawn: Callable[..., Daemon],
+) -> None:
+    rng = random.Random(chaos_seed(1010))
+    w = Workload(seed=1010)
+    bodies = w.bodies(300)
+    source = make_queue(visibility=5)
+    dest = results_queue(sqs_client, fifo=True)
+    d = spawn(daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_QUEUE_URL=dest,
+                         INGEST_MAX_RECEIVE_COUNT="2"))
+    send_all(sqs_client, source, bodies[:150])
+    d.wait_ready()
+    kills = 0
+    for i in range(6):
+        if i == 3:
+            send_all(sqs_client, source, bodies[150:] + w.reuse(sorted(w.valid)[:8]))
+        time.sleep(rng.uniform(0.3, 1.5))
+        d.kill9()
+        kills += 1
+        d.start()
+    wait_drained(sqs_client, source, [d], timeout=180)
+    await wait_published(database_url, timeout=90)
+    d.stop()
+    await check_invariants(database_url, w, sqs_client, source)
+    docs = results_of(read_all(sqs_client, dest))
+    done, failed = await committed(database_url)
+    got = Counter((doc["request_id"], doc["status"]) for doc in docs)
+    expected = Counter({(r, "COMPLETED"): 1 for r in w.valid}) \
+        + Counter({(r, "FAILED"): 1 for r in keyed_poison(w)})
+    assert kills >= 5
+    assert got == expected, (
+        f"missing={sorted(set(expected) - set(got))[:5]} "
+        f"extra={sorted(set(got) - set(expected))[:5]} "
+        f"doubled={[k for k, n in got.items() if n > 1][:5]}")
+    # No result whose outcome is not committed.
+    assert {r for r, s in got if s == "COMPLETED"} <= done
+    assert {r for r, s in got if s == "FAILED"} <= failed
+    by_id = {(doc["request_id"], doc["status"]): doc for doc in docs}
+    some = sorted(w.valid)[0]
+    assert by_id[(some, "COMPLETED")]["reason"] is None
+    assert by_id[(some, "COMPLETED")]["type"] == w.valid[some][0]
+    print(f"kills={kills} results={len(docs)} completed={len(w.valid)} "
+          f"failed={len(keyed_poison(w))}")
+
+
+async def test_sns_topic_to_queues_raw_and_enveloped_at_least_once(
+    database_url: str, make_queue: Any, sqs_client: Any, sqs_endpoint: str, spawn: Callable[..., Daemon],
+) -> None:
+    sns = boto3.client("sns", endpoint_url=sqs_endpoint, region_name="us-east-1")
+    topic = sns.create_topic(Name="results-" + uuid.uuid4().hex[:8])["TopicArn"]
+    raw_q, env_q = results_queue(sqs_client, False), results_queue(sqs_client, False)
+    for q, raw in ((raw_q, "true"), (env_q, "false")):
+        arn = sqs_client.get_queue_attributes(
+            QueueUrl=q, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn,
+                      Attributes={"RawMessageDelivery": raw})
+    w = Workload(seed=2020)
+    bodies = w.bodies(120)
+    source = make_queue(visibility=5)
+    d = spawn(daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_TOPIC_ARN=topic))
+    send_all(sqs_client, source, bodies)
+    d.wait_ready()
+    for _ in range(3):
+        time.sleep(0.7)
+        d.kill9()
+        d.start()
+    wait_drained(sqs_client, source, [d], timeout=120)
+    await wait_published(database_url)
+    assert d.stop() == 0
+    expected = {(r, "COMPLETED") for r in w.valid} | {(r, "FAILED") for r in keyed_poison(w)}
+    raw = Counter((doc["request_id"], doc["status"])
+                  for doc in results_of(read_all(sqs_client, raw_q)))
+    enveloped: Counter[tuple[str, str]] = Counter()
+    for m in read_all(sqs_client, env_q):
+        envelope = json.loads(m["Body"])
+        assert envelope["Type"] == "Notification" and envelope["TopicArn"] == topic
+        doc = json.loads(envelope["Message"])
+        assert envelope["MessageAttributes"]["request_id"]["Value"] == doc["request_id"]
+        enveloped[(doc["request_id"], doc["status"])] += 1
+    for got in (raw, enveloped):
+        assert set(got) == expected  # every outcome at least once, nothing else
+    dups = sum(raw.values()) - len(raw)
+    print(f"standard SNS, 3 kills: {len(expected)} outcomes, {dups} duplicate(s) delivered")
+
+
+class Refusing(FaultProxy):
+    """The results destination, answering 503 to every call while ``refusing``."""
+
+    refusing = False
+    refused = 0
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if self.refusing:
+            await request.read()
+            self.refused += 1
+            return _error(503, "ServiceUnavailable", "injected: destination down")
+        return await super()._serve(request)
+
+
+def rate(sqs: Any, d: Daemon, seconds: float) -> float:
+    """Messages completed per second by ``d`` over ``seconds``."""
+    def completed() -> float:
+        return d.metric("sqs_ingest_messages_processed_total", outcome="completed")
+
+    start, t0 = completed(), time.monotonic()
+    time.sleep(seconds)
+    return (completed() - start) / (time.monotonic() - t0)
+
+
+@pytest.mark.timeout(480)
+async def test_a_refusing_destination_never_stops_ingestion(
+    database_url: str, make_queue: Any, sqs_client: Any, sqs_endpoint: str, spawn: Callable[..., Daemon],
+) -> None:
+    source = make_queue(visibility=10)
+    dest = results_queue(sqs_client, fifo=False)
+    with Refusing(sqs_endpoint) as proxy:
+        d = spawn(daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_QUEUE_URL=dest,
+                             INGEST_RESULTS_ENDPOINT_URL=proxy.url))
+        d.wait_ready()
+        n = 0
+
+        def feed(count: int) -> None:
+            nonlocal n
+            send_all(sqs_client, source, [upsert(f"r{n + i}", f"e{(n + i) % 50}", n + i + 1)
+                                          for i in range(count)])
+            n += count
+
+        feed(500)  # a backlog, so the rates below are the daemon's, not the feeder's
+        wait_until(lambda: d.metric("sqs_ingest_messages_processed_total") > 50, 30, "started")
+        before = rate(sqs_client, d, 2)
+        proxy.refusing = True
+        t_refuse = time.monotonic()
+        feed(500)
+        during = rate(sqs_client, d, 2)
+        wait_until(lambda: d.metric("sqs_ingest_outbox_pending") > 100, 20, "pending rises")
+        assert d.ready()  # /readyz stays ready: publishing is not ingestion
+        wait_until(lambda: d.metric("sqs_ingest_outbox_oldest_age_seconds") > 2, 20, "age grows")
+        wait_drained(sqs_client, source, [d], timeout=max(5.0, REFUSE_SECONDS
+                                                          - (time.monotonic() - t_refuse)))
+        peak = d.metric("sqs_ingest_outbox_pending")
+        time.sleep(max(0.0, REFUSE_SECONDS - (time.monotonic() - t_refuse)))
+        assert proxy.refused > 0
+        proxy.refusing = False
+        seen: list[tuple[float, float]] = []
+
+        def drained() -> bool:
+            seen.append((round(time.monotonic() - t_refuse, 1),
+                         d.metric("sqs_ingest_outbox_pending")))
+            return seen[-1][1] == 0
+
+        try:
+            wait_until(drained, 60, "pending back to 0", interval=0.5)
+        except TimeoutError:
+            raise AssertionError(f"pending over time: {seen[::10]}") from None
+        await wait_published(database_url)
+        assert d.stop() == 0
+    docs = results_of(read_all(sqs_client, dest))
+    got = Counter(doc["request_id"] for doc in docs)
+    assert set(got) == {f"r{i}" for i in range(n)}  # nothing lost
+    print(f"rate before={before:.0f}/s while refusing={during:.0f}/s peak pending={peak:.0f} "
+          f"duplicates={sum(got.values()) - len(got)}")
+    # Within noise on two shared cores: refusing must not slow ingestion down materially.
+    assert during >= 0.6 * before, (before, during)
+
+
+@pytest.mark.timeout(300)
+async def test_two_replicas_never_send_a_result_twice(
+    database_url: str, make_queue: Any, sqs_client: Any, sqs_endpoint: str, spawn: Callable[..., Daemon],
+) -> None:
+    source = make_queue(visibility=10)
+    dest = results_queue(sqs_client, fifo=False)  # standard: a double send would show
+    env = daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_QUEUE_URL=dest)
+    a = spawn({**env, "INGEST_WORKER_NAME": "a"}, "a")
+    b = spawn({**env, "INGEST_WORKER_NAME": "b"}, "b")
+    send_all(sqs_client, source, [upsert(f"r{i}", f"e{i % 30}", i + 1) for i in range(400)])
+    a.wait_ready()
+    b.wait_ready()
+    wait_drained(sqs_client, source, [a, b])
+    await wait_published(database_url)
+    published = {x.name: x.metric("sqs_ingest_results_published_total") for x in (a, b)}
+    assert a.stop() == 0 and b.stop() == 0
+    got = Counter(doc["request_id"] for doc in results_of(read_all(sqs_client, dest)))
+    assert set(got) == {f"r{i}" for i in range(400)}
+    assert [k for k, c in got.items() if c > 1] == []
+    assert sum(published.values()) == 400 and min(published.values()) > 0, published
+
+
+@pytest.mark.parametrize("value", ["arn:aws:sns:us-east-1:000000000000:t"])
+def test_both_destinations_is_a_configuration_error(
+    value: str, database_url: str, spawn: Callable[..., Daemon]
+) -> None:
+    d = spawn({"INGEST_DATABASE_URL": database_url, "INGEST_QUEUE_URL": "http://127.0.0.1:9/q",
+               "INGEST_RESULTS_TOPIC_ARN": value, "INGEST_RESULTS_QUEUE_URL": "http://127.0.0.1:9/r"})
+    assert d.wait(20) == 2
+    assert "INGEST_RESULTS_QUEUE_URL" in d.logs()

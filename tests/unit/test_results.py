@@ -1,0 +1,156 @@
+"""Results out over the fakes: the worker with a publisher, a destination that refuses, the
+drain at SIGTERM; and the pure shape of what is published."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from service import metrics
+from service.handlers import Registry
+from service.results import Publisher, ResultsSink, entry, fifo_id, result_body
+from service.seams import OutboxRow
+from service.settings import Settings
+from service.testing import FakeQueue, FakeSink, FakeStore
+from service.worker import EXIT_OK, Worker
+
+
+class Note(BaseModel):
+    n: int
+
+
+def settings(**over: Any) -> Settings:
+    base: dict[str, Any] = {
+        "queue_url": "http://127.0.0.1:1/q", "database_url": "postgresql://u@h/d",
+        "wait_time_seconds": 1, "pollers": 2, "shutdown_timeout": 5, "max_receive_count": 1,
+        "queue_attributes_interval": 0.2, "gc_interval": 0.2, "worker_lease": 3,
+        "results_queue_url": "http://127.0.0.1:1/results",
+    }
+    return Settings(**{**base, **over})
+
+
+def registry() -> Registry:
+    async def note(p: Any, conn: Any) -> dict[str, Any] | None:
+        if p.n < 0:
+            raise RuntimeError("negative")
+        return {"n": p.n}
+
+    reg = Registry()
+    reg.register("note", Note, note)
+    return reg
+
+
+def body(rid: str, n: int = 1) -> str:
+    return json.dumps({"request_id": rid, "type": "note", "payload": {"n": n}})
+
+
+async def until(pred: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _sink(s: FakeSink) -> ResultsSink:
+    return s  # mypy: the fake is a ResultsSink
+
+
+def start(store: FakeStore, sink: FakeSink, queue: FakeQueue, **pub: Any) -> tuple[
+        Worker, asyncio.Task[int]]:
+    publisher = Publisher(store, _sink(sink), stats_interval=0.05, **pub)
+    w = Worker(settings(), queue, store, registry(), publisher=publisher)
+    return w, asyncio.create_task(w.run())
+
+
+async def test_every_outcome_is_published_once() -> None:
+    store, sink, queue = FakeStore(results=True), FakeSink(), FakeQueue()
+    await store.register_worker("w")
+    for i in range(25):
+        queue.send(body(f"r{i}", i))
+    queue.send(body("r3", 3))  # a duplicate: no second result
+    queue.send(body("bad", -1))  # fails once, max_receive_count=1: FAILED
+    queue.send(json.dumps({"request_id": "poison", "type": "note", "payload": {}}))
+    queue.send(body("r4", 99))  # the key of another request: no result
+    queue.send("not json")  # no request_id: no result
+    w, run = start(store, sink, queue)
+    await until(lambda: len(sink.sent) == 27, "27 results")
+    await until(lambda: not queue.messages, "queue drained")
+    w.request_stop()
+    assert await asyncio.wait_for(run, 15) == EXIT_OK
+    got = sorted((r.request_id, r.status, r.reason) for r in sink.sent)
+    assert got == sorted(
+        [(f"r{i}", "COMPLETED", None) for i in range(25)]
+        + [("bad", "FAILED", "max_receives_exceeded"), ("poison", "FAILED", "invalid_payload")])
+
+
+async def test_a_refusing_destination_never_stops_ingestion() -> None:
+    store, sink, queue = FakeStore(results=True), FakeSink(), FakeQueue()
+    await store.register_worker("w")
+    sink.refuse = True
+    w, run = start(store, sink, queue)
+    try:
+        for i in range(40):
+            queue.send(body(f"r{i}", i))
+        await until(lambda: len(queue.deleted) == 40, "all 40 ingested while refused")
+        await until(lambda: metrics.outbox_pending._value.get() == 40, "pending 40")
+        assert sink.sent == [] and w.readiness()[0]
+        await until(lambda: metrics.outbox_oldest_age._value.get() > 0, "age grows")
+        sink.refuse = False
+        await until(lambda: len(sink.sent) == 40, "published once it is back", timeout=40)
+        await until(lambda: metrics.outbox_pending._value.get() == 0, "pending back to 0")
+        assert len({r.id for r in sink.sent}) == 40
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(run, 15) == EXIT_OK
+
+
+async def test_sigterm_publishes_what_is_pending() -> None:
+    store, sink, queue = FakeStore(results=True), FakeSink(), FakeQueue()
+    await store.register_worker("w")
+    # A poll interval far beyond the test, and the wake-up event never heard: only the
+    # drain at stop can send these.
+    w, run = start(store, sink, queue, poll_interval=3600)
+    await until(lambda: bool(w._background), "started")
+    store.outbox_written = asyncio.Event()  # the loops wait on the old one
+    for i in range(15):
+        queue.send(body(f"r{i}", i))
+    await until(lambda: len(queue.deleted) == 15, "ingested")
+    assert len(sink.sent) < 15
+    w.request_stop()
+    assert await asyncio.wait_for(run, 15) == EXIT_OK
+    assert sorted(r.request_id for r in sink.sent) == sorted(f"r{i}" for i in range(15))
+
+
+def row(**over: Any) -> OutboxRow:
+    base: dict[str, Any] = {
+        "id": 7, "request_id": "req-1", "request_type": "note", "status": "COMPLETED",
+        "result": {"n": 1}, "reason": None,
+        "completed_at": datetime(2026, 11, 26, 4, 0, 0, 123000, tzinfo=UTC), "group_id": None,
+    }
+    return OutboxRow(**{**base, **over})
+
+
+def test_the_published_shape() -> None:
+    assert json.loads(result_body(row())) == {
+        "request_id": "req-1", "type": "note", "status": "COMPLETED", "result": {"n": 1},
+        "reason": None, "completed_at": "2026-11-26T04:00:00.123000Z"}
+    assert entry(0, row(), fifo=False) == {"Id": "0", "MessageAttributes": {
+        "request_id": {"DataType": "String", "StringValue": "req-1"}}}
+    fifo = entry(3, row(status="FAILED", group_id="g-7"), fifo=True)
+    assert (fifo["MessageDeduplicationId"], fifo["MessageGroupId"]) == ("req-1:FAILED", "g-7")
+    assert entry(0, row(), fifo=True)["MessageGroupId"] == "req-1"  # standard source
+
+
+def test_fifo_ids_that_sqs_would_refuse_are_hashed_stably() -> None:
+    assert fifo_id("a-b_c:COMPLETED") == "a-b_c:COMPLETED"
+    for bad in ("x" * 129, "é:FAILED", "with space"):
+        out = fifo_id(bad)
+        assert out.startswith("sha256-") and len(out) == 71 and out == fifo_id(bad)
+    assert fifo_id("x" * 128) == "x" * 128
