@@ -297,8 +297,9 @@ class FakeStore:
                 if group is not None:
                     stopped.add(group)
         done = await _run_batched(live, batch) if batch is not None and not fifo else {}
+        failed_groups: set[str] = set()  # only a failure blocks the live messages after it
         for m in live:
-            if fifo and m.raw.group_id in stopped:
+            if fifo and m.raw.group_id in failed_groups:
                 res.blocked.append(m)
                 continue
             try:
@@ -306,7 +307,7 @@ class FakeStore:
             except Exception as exc:
                 res.failed.append((m, exc))
                 if fifo and m.raw.group_id is not None:
-                    stopped.add(m.raw.group_id)
+                    failed_groups.add(m.raw.group_id)
                 continue
             row = self.db.rows[m.request_id]
             row.status, row.result = "COMPLETED", out

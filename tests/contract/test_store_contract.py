@@ -350,3 +350,17 @@ async def test_publishers_never_hold_the_same_row_and_keep_a_group_in_order(
     assert (by_a, by_b) == (["a1"], ["a2", "a3"])
     assert await b.publish_outbox(record, 10, fifo=True) == (1, 1)
     assert by_b[-1] == "a4"
+
+
+async def test_fifo_lost_claim_blocks_only_what_follows_it(backend: Backend) -> None:
+    """Review finding: the fake blocked g1, claimed before the lost g2; Store completes it."""
+    a = await backend.store("w-a")
+    b = await backend.store("w-b")
+    await a.claim([msg("g1", group="G")])
+    await b.claim([msg("g2", group="G")])  # not ours: lost for a
+    await a.claim([msg("g3", group="G")])
+    res = await a.apply([msg("g1", group="G"), msg("g2", group="G"), msg("g3", group="G")],
+                        ok, fifo=True)
+    assert [m.request_id for m, _ in res.completed] == ["g1"]
+    assert [m.request_id for m in res.lost] == ["g2"]
+    assert [m.request_id for m in res.blocked] == ["g3"]
