@@ -16,7 +16,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/venv
 # Dependencies from pyproject.toml alone, before any code is copied: a code edit rebuilds
-# one small layer, not the dependency install (nor pyspark's 300 MB download).
+# one small layer, not the dependency install (nor pyspark's half-gigabyte download).
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 open('/src/requirements.txt', 'w').write('\n'.join(p['dependencies'])); \
@@ -32,7 +32,7 @@ COPY service ./service
 # is copied to the runtime.
 RUN pip wheel --no-deps --wheel-dir /dist . \
     && pip install --no-deps /dist/*.whl
-# Cut what the daemon never runs (measured in README "Image size"): pip and setuptools
+# Cut what the daemon never runs (README "Container figures"): pip and setuptools
 # (~26 MB) only install, and botocore ships a model for every AWS service (~27 MB) where
 # the daemon calls SQS, S3 (large payloads), SNS (results) and the credential chain's STS,
 # SSO and sign-in. A handler that needs another service: --build-arg BOTOCORE_SERVICES=all.
