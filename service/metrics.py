@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 from prometheus_client import (
@@ -98,6 +98,26 @@ outbox_oldest_age = Gauge(
 ready = Gauge(P + "ready", "1 when /readyz answers 200", registry=REGISTRY)
 build_info = Info(P + "build", "Build information", registry=REGISTRY)
 build_info.info({"version": __version__})
+
+
+#: Every value the ``reason`` label of ``dead_letters_total`` takes.
+DEAD_LETTER_REASONS = (
+    "invalid_json", "invalid_envelope", "missing_request_id", "missing_type", "unknown_type",
+    "invalid_payload", "request_id_too_long", "type_too_long", "idempotency_key_reused",
+    "max_receives_exceeded", "rejected_by_database", "processing_error",
+)
+OUTCOMES = ("completed", "duplicate", "dead_lettered", "retried")
+
+
+def prime(types: Iterable[str]) -> None:
+    """Create every labelled series at 0 at startup. ``increase()``/``rate()`` cannot see
+    the first increment of a series that did not exist before it, so without this the first
+    dead letter after a restart would never fire the dead-letter alert."""
+    for reason in DEAD_LETTER_REASONS:
+        dead_letters.labels(reason)
+    for type_ in (*types, "_invalid"):
+        for outcome in OUTCOMES:
+            messages_processed.labels(type_, outcome)
 
 
 Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]

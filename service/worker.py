@@ -111,6 +111,7 @@ class Worker:
         return self._stop.is_set()
 
     async def run(self) -> int:
+        metrics.prime(self.registry.types())
         await self.maintenance.gc_once(startup=True)
         self._pollers = [
             asyncio.create_task(self._poll_loop(i), name=f"poller-{i}")

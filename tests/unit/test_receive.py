@@ -49,3 +49,22 @@ async def test_a_successful_receive_after_failures_makes_the_daemon_ready() -> N
         q.send(body("r1", 1))
         await until(lambda: not q.messages, "received and processed")
         assert h.worker.readiness()[1]["sqs"] is True
+
+
+async def test_every_outcome_and_reason_series_exists_from_startup() -> None:
+    """The first dead letter after a restart must be visible to increase(): its series has
+    to exist (at 0) before it is incremented."""
+    from service import metrics
+
+    r = Registry()
+
+    async def note(p: Note, conn: Any) -> None:
+        return None
+
+    r.register("prime.check", Note, note)
+    value = metrics.REGISTRY.get_sample_value
+    async with Harness(settings(pollers=1), r, FakeQueue()):
+        await until(lambda: value("sqs_ingest_messages_processed_total",
+                                  {"type": "prime.check", "outcome": "retried"}) == 0,
+                    "the series of a type nothing was processed for, at 0")
+        assert value("sqs_ingest_dead_letters_total", {"reason": "type_too_long"}) is not None
