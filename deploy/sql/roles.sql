@@ -82,7 +82,9 @@ GRANT USAGE ON SCHEMA public TO sqs_ingest_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO sqs_ingest_app;
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO sqs_ingest_app;
 
--- ... and every table or sequence the owner role creates from now on (migrations).
+-- ... and every table or sequence the owner role creates from now on (migrations): e.g.
+-- `outbox` (002), which the daemon inserts into, claims with SELECT ... FOR UPDATE (needs
+-- UPDATE), marks published and prunes (DELETE). tests/integration/test_roles.py runs it.
 ALTER DEFAULT PRIVILEGES FOR ROLE sqs_ingest_owner IN SCHEMA public
     GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO sqs_ingest_app;
 ALTER DEFAULT PRIVILEGES FOR ROLE sqs_ingest_owner IN SCHEMA public

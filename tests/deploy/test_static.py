@@ -61,9 +61,11 @@ IAM_ALLOWED_ACTIONS = {
     "sqs:DeleteMessage",  # also authorizes DeleteMessageBatch
     "sqs:ChangeMessageVisibility",  # also authorizes ChangeMessageVisibilityBatch
     "sqs:GetQueueAttributes",
-    "sqs:SendMessage",  # dlq replay
+    "sqs:SendMessage",  # dlq replay; results to a queue (SendMessageBatch)
+    "sns:Publish",  # results to a topic (also authorizes PublishBatch)
 }
 QUEUE_ARN = re.compile(r"^arn:aws[a-z-]*:sqs:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,80}(\.fifo)?$")
+TOPIC_ARN = re.compile(r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
 
 
 # ------------------------------------------------------------------- helpers
@@ -461,8 +463,11 @@ def test_iam_policy_least_privilege() -> None:
         assert not {"NotAction", "NotResource", "Principal"} & st.keys()
         acts = [st["Action"]] if isinstance(st["Action"], str) else st["Action"]
         res = [st["Resource"]] if isinstance(st["Resource"], str) else st["Resource"]
+        services = {a.split(":")[0] for a in acts}
+        assert len(services) == 1, f"one service per statement: {acts}"
+        arn = TOPIC_ARN if services == {"sns"} else QUEUE_ARN
         for r in res:
-            assert QUEUE_ARN.match(r), f"resource is not a single queue ARN: {r}"
+            assert arn.match(r), f"resource is not a single queue/topic ARN: {r}"
         assert all("*" not in a for a in acts), acts
         actions |= set(acts)
     assert actions == IAM_ALLOWED_ACTIONS

@@ -166,3 +166,43 @@ def test_password_never_in_error_output(
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     assert app_pw not in out, out
+
+
+async def test_results_publish_under_the_app_role(
+    cluster: tuple[Postgres, str, str], tmp_path: Path, queue_url: str, sqs_endpoint: str,
+    sqs_client: Any,
+) -> None:
+    """The outbox (migration 002) is written, claimed FOR UPDATE, marked and pruned by the
+    app role: roles.sql's default privileges reach tables a later migration creates."""
+    from service.store import Q
+
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    rid = uuid.uuid4().hex[:8]
+    dest = sqs_client.create_queue(QueueName=f"results-{rid}")["QueueUrl"]
+    poison = json.dumps({"request_id": f"{rid}-bad", "type": "entity.upsert", "payload": {}})
+    d = Daemon(daemon_env(dsn, queue_url, sqs_endpoint, INGEST_RESULTS_QUEUE_URL=dest),
+               tmp_path, "results")
+    try:
+        d.start().wait_ready()
+        send_all(sqs_client, queue_url,
+                 [upsert(f"{rid}-{i}", f"{rid}-e{i}", 1) for i in range(5)] + [poison])
+        wait_drained(sqs_client, queue_url, [d])
+        wait_until(lambda: d.metric("sqs_ingest_results_published_total") == 6, 30,
+                   "6 results published")
+        assert d.stop() == 0, d.logs()
+    finally:
+        if d.proc is not None and not d.exited():
+            d.proc.kill()
+            d.wait(10)
+    assert "permission denied" not in d.logs()
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval(
+            "SELECT count(*) FROM outbox WHERE request_id LIKE $1 AND published_at IS NOT NULL",
+            f"{rid}-%") == 6
+        await conn.execute(Q["outbox_prune"], 0.0, 1000)  # retention's DELETE
+        assert await conn.fetchval(
+            "SELECT count(*) FROM outbox WHERE request_id LIKE $1", f"{rid}-%") == 0
+    finally:
+        await conn.close()
