@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +17,7 @@ from service.seams import OutboxRow
 from service.settings import Settings
 from service.testing import FakeQueue, FakeSink, FakeStore
 from service.worker import EXIT_OK, Worker
+from tests.unit.test_worker import until
 
 
 class Note(BaseModel):
@@ -48,14 +47,6 @@ def registry() -> Registry:
 
 def body(rid: str, n: int = 1) -> str:
     return json.dumps({"request_id": rid, "type": "note", "payload": {"n": n}})
-
-
-async def until(pred: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def _sink(s: FakeSink) -> ResultsSink:
