@@ -148,7 +148,8 @@ async def test_real_prometheus_scrapes_processed_messages(
     with prometheus(tmp_path / "prom", daemon.port) as prom:
         def scraped() -> dict[str, float] | None:
             by_outcome = prom.query(
-                "sum by (outcome) (sqs_ingest_messages_processed_total{job='sqs-ingest'})",
+                # > 0: every outcome's series exists from startup, at 0 (metrics.prime)
+                "sum by (outcome) (sqs_ingest_messages_processed_total{job='sqs-ingest'}) > 0",
                 "outcome")
             return by_outcome if sum(by_outcome.values()) == 27 else None
 
