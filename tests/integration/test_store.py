@@ -650,3 +650,52 @@ async def test_startup_gc_releases_an_earlier_incarnation_of_the_same_name(
     released = await new.gc(lease_seconds=30, name="replica-0", started_before=started)
     assert [r["request_id"] for r in released] == ["mine-before"]
     assert await db.fetchval("SELECT owner FROM modifications WHERE request_id='theirs'") == "w-other"
+
+
+async def test_a_batch_deadlock_that_keeps_coming_back_goes_one_by_one(pool: asyncpg.Pool) -> None:
+    """A batch call that deadlocks every time is rerun as is MAX_RERUNS times, then the
+    messages go one by one (the loop always ends)."""
+    a = await registered(pool, "w-a")
+    batch = [msg("k1"), msg("k2")]
+    await a.claim(batch)
+    calls: list[str] = []
+
+    async def one(m: Message, conn: asyncpg.Connection) -> dict[str, Any] | None:
+        calls.append("one")
+        return None  # stored as NULL, reported as None
+
+    async def many(ms: list[Message], conn: asyncpg.Connection) -> Any:
+        calls.append("many")
+        raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+
+    res = await a.apply(batch, one, batch=(lambda m: "k", many))
+    assert calls == ["many", "many", "many", "one", "one"]
+    assert [(m.request_id, out) for m, out in res.completed] == [("k1", None), ("k2", None)]
+
+
+async def test_completion_clears_the_failure_count_of_a_retried_request(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    a = await registered(pool, "w-a")
+    await a.claim([msg("r1"), msg("r2")])
+    await a.record_failures([(msg("r1"), "boom"), (msg("r2"), "boom")], max_failures=5)
+    claims = await a.claim([msg("r1")])
+    retried = msg("r1")
+    retried.failures = claims["r1"].failures  # as the worker does
+    assert retried.failures == 1
+    await a.apply([retried], ok_handler)
+    left = [r["request_id"] for r in await db.fetch("SELECT request_id FROM retry_attempts")]
+    assert left == ["r2"]  # r1 completed: its count is gone; r2's stays
+
+
+async def test_fifo_lost_claim_holds_back_the_rest_of_its_group(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    a = await registered(pool, "w-a")
+    batch = [msg("a1", group="A"), msg("a2", group="A"), msg("b1", group="B")]
+    await a.claim(batch)
+    await db.execute("UPDATE modifications SET owner = 'w-gone' WHERE request_id = 'a1'")
+    res = await a.apply(batch, ok_handler, fifo=True)
+    assert [m.request_id for m in res.lost] == ["a1"]
+    assert [m.request_id for m in res.blocked] == ["a2"]
+    assert [m.request_id for m, _ in res.completed] == ["b1"]
