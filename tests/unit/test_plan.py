@@ -134,3 +134,11 @@ def test_settle_failures_backs_off_then_acks_the_exhausted() -> None:
     assert plan.outcomes == [("note", "retried"), ("note", "dead_lettered")]
     assert plan.dead_letter_reasons == ["max_receives_exceeded"]
     assert plan.letters == []  # committed by record_failures already
+
+
+def test_describe_is_the_exception_type_and_text_capped_at_2000() -> None:
+    from service.plan import describe
+
+    assert describe(RuntimeError("boom")) == "RuntimeError: boom"
+    long = describe(ValueError("x" * 5000))
+    assert len(long) == 2000 and long.startswith("ValueError: xxx")
