@@ -4,12 +4,11 @@ Every statement is named in ``sql/queries.sql``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -80,16 +79,34 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-@contextlib.asynccontextmanager
-async def connection(
-    pool: asyncpg.Pool, acquire_timeout: float | None = None
-) -> AsyncIterator[Any]:
-    """A pooled connection; a lost database surfaces as DatabaseUnavailable."""
-    try:
-        async with pool.acquire(timeout=acquire_timeout) as conn:
-            yield conn
-    except CONNECTION_ERRORS as exc:
-        raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}") from exc
+class connection:  # lower case: used like a function, ``async with connection(pool)``
+    """A pooled connection; a lost database surfaces as DatabaseUnavailable.
+
+    A small class rather than ``@asynccontextmanager``: it wraps every store call (the
+    generator form cost 2.6 % of the daemon's CPU in a profile of ``make bench``)."""
+
+    __slots__ = ("_acquire",)
+
+    def __init__(self, pool: asyncpg.Pool, acquire_timeout: float | None = None) -> None:
+        self._acquire = pool.acquire(timeout=acquire_timeout)
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await self._acquire.__aenter__()
+        except CONNECTION_ERRORS as exc:
+            raise _unavailable(exc) from exc
+
+    async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            await self._acquire.__aexit__(typ, exc, tb)
+        except CONNECTION_ERRORS as release_exc:
+            raise _unavailable(release_exc) from release_exc
+        if isinstance(exc, CONNECTION_ERRORS):
+            raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: BaseException) -> DatabaseUnavailable:
+    return DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
