@@ -20,8 +20,13 @@ RUN python -m venv /opt/venv
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 open('/src/requirements.txt', 'w').write('\n'.join(p['dependencies'])); \
-open('/src/requirements-reconcile.txt', 'w').write('\n'.join(p['optional-dependencies']['reconcile']))" \
+open('/src/requirements-reconcile.txt', 'w').write('\n'.join(p['optional-dependencies']['reconcile'])); \
+open('/src/requirements-otel.txt', 'w').write('\n'.join(p['optional-dependencies']['otel']))" \
     && pip install -r /src/requirements.txt
+# Tracing (INGEST_TRACING=true, OTEL_* variables) works in the image; nothing of it is
+# imported while tracing is off. --build-arg WITH_OTEL=0 leaves it out (about 10 MB).
+ARG WITH_OTEL=1
+RUN if [ "${WITH_OTEL}" = 1 ]; then pip install -r /src/requirements-otel.txt; fi
 
 # ---------------------------------------------------------------- builder
 FROM deps AS builder

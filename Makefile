@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile image clean mutation fuzz
+.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile image clean mutation fuzz test-investigations
 
 install:
 	scripts/install.sh
@@ -25,7 +25,11 @@ run: services
 ## make test: the whole suite (starts its own PostgreSQL and SQS emulator per session)
 ## Strict: a skipped test fails the run (tests/conftest.py), and so does a missing deploy tool.
 test: install
-	INGEST_TESTS_STRICT=1 DEPLOY_TOOLS_REQUIRED=1 $(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	INGEST_TESTS_STRICT=1 DEPLOY_TOOLS_REQUIRED=1 $(PY) -m pytest -q -rs -m "not investigation" $(PYTEST_ARGS)
+
+## make test-investigations: open findings (README "Known issues"), expected to fail for now
+test-investigations: install
+	$(PY) -m pytest -q -rxs -m investigation $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -rs -m "not chaos and not spark and not container" $(PYTEST_ARGS)

@@ -249,6 +249,7 @@ async def test_sigterm_releases_what_idle_polls_bring(
     assert counts["completed"] == len(w.valid)
 
 
+@pytest.mark.investigation  # not in make test: whether it fails depends on moto's timing
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "per-group order breaks after kill -9 on the moto emulator (reported in #15): the "
     "moto FIFO redelivery bug is fixed in tests/moto_fifo.py, some reordering remains; not "
