@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -276,6 +278,12 @@ async def completed_rows(dsn: str) -> int:
         await conn.close()
 
 
+def completed_now(dsn: str) -> int:
+    """COMPLETED rows, for the sync wait loops of async tests (run on a private loop)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, completed_rows(dsn)).result(30)
+
+
 def queue_depth(sqs: Any, queue_url: str) -> int:
     a = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["All"])["Attributes"]
     return int(a["ApproximateNumberOfMessages"]) + int(a["ApproximateNumberOfMessagesNotVisible"])
@@ -318,7 +326,10 @@ async def check_invariants(dsn: str, w: Workload, sqs: Any, queue_url: str) -> d
         assert not in_progress, f"IN_PROGRESS left: {in_progress[:5]}"
         ents = {r["entity_id"]: (r["version"], r["deleted"]) for r in await conn.fetch(
             "SELECT entity_id, version, deleted FROM entities")}
-        assert ents == w.expected_entities()
+        expected = w.expected_entities()
+        assert ents == expected, {e: (ents.get(e), expected.get(e))
+                                  for e in set(ents) | set(expected)
+                                  if ents.get(e) != expected.get(e)}
         # The stored data is the payload's data object (not a string, not another version's).
         bad = await conn.fetch(
             "SELECT e.entity_id FROM entities e JOIN modifications m ON m.request_id = e.request_id"

@@ -5,8 +5,6 @@ Randomised scenarios print their seed; ``CHAOS_SEED=N`` replays one."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import random
 import signal
 import time
@@ -21,6 +19,7 @@ from tests.acceptance.harness import (
     Workload,
     chaos_seed,
     check_invariants,
+    completed_now,
     completed_rows,
     create_ledger,
     daemon_env,
@@ -39,10 +38,7 @@ from tests.servers import postgres_server, wait_until
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 
-def completed(dsn: str) -> int:
-    # Called from sync wait loops inside async tests: run on a private loop in a thread.
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        return ex.submit(asyncio.run, completed_rows(dsn)).result(30)
+completed = completed_now  # the name the tests below use
 
 
 async def test_kill_9_at_random_moments(
