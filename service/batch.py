@@ -187,6 +187,8 @@ class BatchProcessor:
     async def _hold_back_groups(self, flight: InFlight, part: list[Received]) -> list[Received]:
         """FIFO: a message handed back during a bisection holds back the later messages of
         its group (visible again at once, behind it); returns the rest of ``part``."""
+        if not flight.held_groups:  # every batch but a FIFO bisection's: nothing to scan
+            return part
         held = [m for m in part if m.group_id is not None and m.group_id in flight.held_groups]
         if not held:
             return part

@@ -9,7 +9,7 @@ A B-tree index entry must fit in about a third of a page (2,704 bytes with the d
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, overload
 
 from pydantic import Field, StrictInt, StrictStr
 
@@ -25,6 +25,10 @@ IndexedText = Annotated[StrictStr, Field(max_length=INDEXED_TEXT_MAX_CHARS)]
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
+@overload
+def storable(text: str) -> str: ...
+@overload
+def storable(text: None) -> None: ...
 def storable(text: str | None) -> str | None:
     """PostgreSQL ``text`` cannot hold U+0000: escape it in values we only record (error
     messages, a poison message's request_id), so that recording them never fails."""

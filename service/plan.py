@@ -156,7 +156,7 @@ def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
 
 def describe(exc: BaseException) -> str:
     """A storable one-line error (recorded in retry_attempts and dead_letters)."""
-    return storable(f"{type(exc).__name__}: {exc}")[:2000]  # type: ignore[index]
+    return storable(f"{type(exc).__name__}: {exc}")[:2000]
 
 
 def settle_failures(
