@@ -8,7 +8,7 @@
     BASELINE=62e8dcf^ .venv/bin/python bench/throughput.py  # + old vs new code, interleaved
 
 Starts a throwaway PostgreSQL (tests/servers.py) and LocalStack's SQS in host mode (no
-Docker; a Python 3.13 venv under bench/.venv-localstack, created if missing), preloads N
+Docker; its venv .venv-localstack, made by scripts/localstack-venv.sh if missing), preloads N
 messages (~300-byte ``entity.upsert`` bodies) into a fresh queue for each phase and
 measures, one after the other:
 
@@ -77,15 +77,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.settings import Settings  # noqa: E402
-from tests.servers import free_port, postgres_server, stop_process, wait_until  # noqa: E402
+from tests.servers import LocalStack, free_port, postgres_server, wait_until  # noqa: E402
+from tests.servers import localstack_server as _localstack_server  # noqa: E402
 
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
-LS_VENV = BENCH / ".venv-localstack"
-LS_PACKAGES = [
-    "localstack-core[runtime]==2026.3.0", "cbor2<6", "pyopenssl<25", "cryptography<45",
-    "service-identity",
-]
 REGION = "us-east-1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -134,81 +130,15 @@ def make_body(run: str, i: int) -> str:
     return json.dumps(doc, separators=(",", ":"))
 
 
-# -- LocalStack (host mode) ------------------------------------------------------------
-
-
-def _pyenv_python313() -> str:
-    explicit = os.environ.get("LOCALSTACK_PYTHON")
-    if explicit:
-        return explicit
-    try:
-        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        root = os.path.expanduser("~/.pyenv")
-    py = Path(root) / "versions" / "3.13.0" / "bin" / "python3"
-    if not py.exists():
-        raise SystemExit(f"bench: need Python 3.13 for LocalStack at {py} "
-                         "(or set LOCALSTACK_PYTHON)")
-    return str(py)
-
-
-def ensure_localstack_venv() -> Path:
-    py = LS_VENV / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import localstack.runtime.main"],
-                                      capture_output=True).returncode == 0:
-        return py
-    print(f"bench: creating {LS_VENV.relative_to(ROOT)} (LocalStack, one-off)", flush=True)
-    subprocess.run([_pyenv_python313(), "-m", "venv", str(LS_VENV)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    *LS_PACKAGES], check=True)
-    return py
-
-
-@dataclass
-class LocalStack:
-    url: str
-    pid: int
-    version: str
+# -- LocalStack (host mode): tests/servers.py, venv from scripts/localstack-venv.sh -------
 
 
 @contextlib.contextmanager
 def localstack_server() -> Iterator[LocalStack]:
-    py = ensure_localstack_venv()
-    tmp = tempfile.mkdtemp(prefix="bench-localstack-")
-    port = free_port()
-    env = {
-        **os.environ,
-        "GATEWAY_LISTEN": f"127.0.0.1:{port}", "SERVICES": "sqs", "EAGER_SERVICE_LOADING": "1",
-        "DNS_ADDRESS": "0", "SKIP_SSL_CERT_DOWNLOAD": "1", "DISABLE_EVENTS": "1",
-        "SQS_ENDPOINT_STRATEGY": "path", "LOCALSTACK_HOST": f"127.0.0.1:{port}",
-        "LOCALSTACK_VOLUME_DIR": f"{tmp}/volume",
-        "CONFIG_DIR": f"{tmp}/config", "TMPDIR": tmp,
-    }
-    log = open(f"{tmp}/localstack.log", "wb")
-    proc = subprocess.Popen([str(py), "-m", "localstack.runtime.main"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def health() -> dict[str, Any] | None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"LocalStack exited {proc.returncode}; see {tmp}/localstack.log")
-        try:
-            with urllib.request.urlopen(url + "/_localstack/health", timeout=1) as r:
-                doc = json.loads(r.read())
-        except OSError:
-            return None
-        return doc if doc.get("services", {}).get("sqs") in ("running", "available") else None
-
-    try:
-        doc = wait_until(health, 60, "LocalStack SQS", interval=0.1)
-        yield LocalStack(url, proc.pid, str(doc.get("version")))
-    finally:
-        stop_process(proc, 15)
-        log.close()
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    """SQS only: the other services would cost CPU the drains compete for."""
+    subprocess.run([str(ROOT / "scripts" / "localstack-venv.sh")], check=True)
+    with _localstack_server("sqs") as ls:
+        yield ls
 
 
 def sqs_sync(endpoint: str) -> Any:

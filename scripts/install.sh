@@ -34,3 +34,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[dev,reconcile]'
   touch "$stamp"
 fi
+
+# LocalStack in host mode for the tests that need realistic SQS/SNS/S3 and for `make bench`.
+if [ "${INSTALL_LOCALSTACK:-1}" = 1 ]; then
+  scripts/localstack-venv.sh
+fi

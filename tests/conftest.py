@@ -9,7 +9,7 @@ import asyncpg
 import boto3
 import pytest
 
-from tests.servers import Postgres, moto_server, postgres_server
+from tests.servers import Postgres, localstack_server, moto_server, postgres_server
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -90,6 +90,17 @@ async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
 def sqs_endpoint() -> Iterator[str]:
     with moto_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def localstack() -> Iterator[str]:
+    """LocalStack in host mode (SQS, SNS, S3) for the session: its endpoint URL.
+
+    For what moto does not do realistically: redrive to a queue's DLQ after
+    maxReceiveCount, message-move tasks, S3 objects behind extended-client pointers,
+    SNS delivery to SQS. Each test creates its own queues/topics/buckets."""
+    with localstack_server("sqs,sns,s3") as ls:
+        yield ls.url
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ Per-test databases are copied from a migrated template (``CREATE DATABASE … TE
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -142,3 +143,75 @@ def moto_server() -> Iterator[str]:
         yield url
     finally:
         stop_process(proc)
+
+
+# -- LocalStack in host mode (no Docker) ------------------------------------------------
+# Where realistic SQS behaviour, SNS or S3 matter (redrive to a DLQ, message-move tasks,
+# extended-client payloads in S3). LocalStack needs Python 3.13: scripts/install.sh builds
+# its own venv at .venv-localstack (pyenv's 3.13, or LOCALSTACK_PYTHON); the benchmarks use
+# the same venv.
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCALSTACK_VENV = ROOT / ".venv-localstack"
+LOCALSTACK_PACKAGES = [
+    "localstack-core[runtime]==2026.3.0", "cbor2<6", "pyopenssl<25", "cryptography<45",
+    "service-identity",
+]
+
+
+def localstack_python() -> Path:
+    """The venv's interpreter; raises with the command that creates it if it is missing."""
+    py = LOCALSTACK_VENV / "bin" / "python"
+    if not py.exists():
+        raise RuntimeError(f"LocalStack venv missing at {LOCALSTACK_VENV}: run scripts/install.sh "
+                           "(or scripts/localstack-venv.sh)")
+    return py
+
+
+@dataclass
+class LocalStack:
+    url: str
+    pid: int
+    version: str
+    log_path: str
+
+
+@contextlib.contextmanager
+def localstack_server(services: str = "sqs,sns,s3") -> Iterator[LocalStack]:
+    """LocalStack's gateway on a free loopback port, serving ``services``; ready in ~2 s."""
+    py = localstack_python()
+    tmp = tempfile.mkdtemp(prefix="localstack-")
+    port = free_port()
+    env = {
+        **os.environ,
+        "GATEWAY_LISTEN": f"127.0.0.1:{port}", "SERVICES": services,
+        "EAGER_SERVICE_LOADING": "1", "DNS_ADDRESS": "0", "SKIP_SSL_CERT_DOWNLOAD": "1",
+        "DISABLE_EVENTS": "1", "SQS_ENDPOINT_STRATEGY": "path",
+        "LOCALSTACK_HOST": f"127.0.0.1:{port}",
+        "LOCALSTACK_VOLUME_DIR": f"{tmp}/volume", "CONFIG_DIR": f"{tmp}/config", "TMPDIR": tmp,
+    }
+    log_path = f"{tmp}/localstack.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([str(py), "-m", "localstack.runtime.main"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wanted = [s.strip() for s in services.split(",") if s.strip()]
+
+    def health() -> dict[str, Any] | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"LocalStack exited {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/_localstack/health", timeout=1) as r:
+                doc: dict[str, Any] = json.loads(r.read())
+        except OSError:
+            return None
+        states = doc.get("services", {})
+        return doc if all(states.get(s) in ("running", "available") for s in wanted) else None
+
+    try:
+        doc = wait_until(health, 90, f"LocalStack ({services})", interval=0.1)
+        yield LocalStack(url, proc.pid, str(doc.get("version")), log_path)
+    finally:
+        stop_process(proc, 15)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
