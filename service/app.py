@@ -139,6 +139,13 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
         if attrs is None:
             return 0
         state.sqs = True
+        if settings.prune_interval > 0:
+            from service.prune import RetentionRefused, check_retention, queue_retention
+
+            try:
+                check_retention(settings, queue_retention(attrs))
+            except RetentionRefused as exc:
+                return diagnose.report(diagnose.Diagnosis(str(exc), diagnose.EXIT_CONFIG))
         vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
         if vt < 2:
             # A zero timeout hides nothing and would make the heartbeat spin.
@@ -152,9 +159,7 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                 from service.results import Publisher, results_sink
 
                 sink = await stack.enter_async_context(results_sink(settings))
-                publisher = Publisher(
-                    store, sink, concurrency=settings.results_publishers,
-                    retention_seconds=settings.results_retention_days * 86400)
+                publisher = Publisher(store, sink, concurrency=settings.results_publishers)
                 log.info("results_on", destination=settings.results_topic_arn
                          or settings.results_queue_url, fifo=sink.fifo)
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,

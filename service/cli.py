@@ -1,4 +1,4 @@
-"""Argument parsing only: run, migrate, gc, dlq, reconcile, produce."""
+"""Argument parsing only: run, migrate, gc, prune, dlq, reconcile, produce."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="run the daemon in the foreground")
     sub.add_parser("migrate", help="apply pending database migrations")
     sub.add_parser("gc", help="release claims of dead workers once, and print them")
+    pn = sub.add_parser("prune", help="delete rows past their retention once (README "
+                        "'Retention'), and print the counts per table")
+    pn.add_argument("--dry-run", action="store_true", help="count, delete nothing")
     dlq = sub.add_parser("dlq", help="inspect and replay dead letters")
     dsub = dlq.add_subparsers(dest="dlq_command", required=True)
     ls = dsub.add_parser("list", help="list dead letters")
@@ -117,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         return _run_async(_migrate(settings))
     if args.command == "gc":
         return _run_async(_gc(settings))
+    if args.command == "prune":
+        from service import prune
+
+        return _run_async(prune.command(settings, args.dry_run,
+                                        queue_url_set=settings.queue_url != NO_QUEUE))
     if args.command == "dlq":
         from service import dlq
 
@@ -132,7 +140,8 @@ def _settings_for(args: argparse.Namespace) -> Settings:
     from service.settings import load_settings
 
     # migrate, gc and dlq list only need the database: a migrate Job may have no queue URL.
-    db_only = args.command in ("migrate", "gc") or (
+    # prune too: without the queue it runs only when its retentions exceed SQS's maximum.
+    db_only = args.command in ("migrate", "gc", "prune") or (
         args.command == "dlq" and args.dlq_command == "list"
     )
     if db_only and not os.environ.get("INGEST_QUEUE_URL"):

@@ -1,11 +1,12 @@
 """Background upkeep beside the pollers: the worker heartbeat, orphan GC, the queue
-gauges from GetQueueAttributes (depth, oldest message age), and the results publisher
-(``service.results``) when results are configured."""
+gauges from GetQueueAttributes (depth, oldest message age), the results publisher
+(``service.results``) when results are configured, and retention (``service.prune``)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import random
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -59,6 +60,8 @@ class Maintenance:
         ]
         if self.publisher is not None:
             tasks += self.publisher.start()
+        if self.s.prune_interval > 0:
+            tasks.append(asyncio.create_task(self._prune_loop(), name="prune"))
         return tasks
 
     async def publish_pending(self, seconds: float) -> None:
@@ -111,6 +114,21 @@ class Maintenance:
             await asyncio.sleep(self.s.gc_interval)
             if self.health.is_up:
                 await self.gc_once()
+
+    async def _prune_loop(self) -> None:
+        """Retention (``service.prune``): a first pass soon after start (replicas that
+        restart more often than the interval still prune), then every interval. Its own
+        connection per pass; a replica that finds another pruner at work skips the pass."""
+        from service.prune import prune_once
+
+        await asyncio.sleep(min(self.s.prune_interval, 60.0) * (0.5 + random.random()))
+        while True:
+            if self.health.is_up:
+                try:
+                    await prune_once(self.s.database_url, self.s)
+                except DB_ERRORS as exc:
+                    log.warning("prune_failed", error=str(exc)[:500])
+            await asyncio.sleep(self.s.prune_interval)
 
     async def _queue_attributes_loop(self) -> None:
         while True:

@@ -95,6 +95,9 @@ outbox_oldest_age = Gauge(
     P + "outbox_oldest_age_seconds", "now - completed_at of the oldest unpublished outbox row",
     registry=REGISTRY,
 )
+pruned_rows = Counter(
+    P + "pruned_rows", "Rows deleted by retention (service.prune)", ["table"], registry=REGISTRY,
+)
 ready = Gauge(P + "ready", "1 when /readyz answers 200", registry=REGISTRY)
 build_info = Info(P + "build", "Build information", registry=REGISTRY)
 build_info.info({"version": __version__})
@@ -118,6 +121,10 @@ def prime(types: Iterable[str]) -> None:
     for type_ in (*types, "_invalid"):
         for outcome in OUTCOMES:
             messages_processed.labels(type_, outcome)
+    from service.prune import TABLES  # the pruner's tables, one series each
+
+    for table in TABLES:
+        pruned_rows.labels(table)
 
 
 Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]

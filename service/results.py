@@ -160,7 +160,8 @@ async def results_sink(settings: Settings) -> AsyncIterator[ResultsSink]:
 
 class Publisher:
     """Sends the outbox: ``concurrency`` loops, each claim → send → mark in one transaction
-    (``OutboxSeam.publish_outbox``), plus an upkeep loop for the gauges and retention."""
+    (``OutboxSeam.publish_outbox``), plus an upkeep loop for the gauges. Published rows are
+    deleted by the one pruner, ``service.prune`` (``INGEST_RESULTS_RETENTION_DAYS``)."""
 
     def __init__(
         self,
@@ -168,20 +169,16 @@ class Publisher:
         sink: ResultsSink,
         *,
         concurrency: int = 1,
-        retention_seconds: float = 7 * 86400,
         poll_interval: float = 1.0,
         linger: float = 0.05,
         stats_interval: float = 5.0,
-        prune_interval: float = 300.0,
     ) -> None:
         self.store = store
         self.sink = sink
         self.concurrency = concurrency
-        self.retention_seconds = retention_seconds
         self.poll_interval = poll_interval
         self.linger = linger
         self.stats_interval = stats_interval
-        self.prune_interval = prune_interval
         self._never = asyncio.Event()
 
     def start(self) -> list[asyncio.Task[None]]:
@@ -248,14 +245,9 @@ class Publisher:
                 await asyncio.sleep(self.linger)
 
     async def _upkeep_loop(self) -> None:
-        last_prune = 0.0
         while True:
             try:
                 await self.update_gauges()
-                if time.monotonic() - last_prune >= self.prune_interval:
-                    last_prune = time.monotonic()
-                    while await self.store.prune_outbox(self.retention_seconds, 1000) == 1000:
-                        pass
             except DB_ERRORS as exc:
                 log.warning("outbox_upkeep_failed", error=str(exc)[:500])
             await sleep_or_stop(self.stats_interval, self._never)

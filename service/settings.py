@@ -53,6 +53,13 @@ class Settings(BaseSettings):
         results_publishers: concurrent publishing loops per replica (ten results a call).
         results_retention_days: published outbox rows are kept this long, then deleted.
         results_send_timeout: seconds one PublishBatch/SendMessageBatch may take.
+        retention_days: completed modifications (and their retry counts) are deleted this
+            long after ``completed_at``; must exceed the queue's MessageRetentionPeriod.
+        prune_interval: seconds between the daemon's prune passes (0 = never prunes).
+        prune_batch_size / prune_pause: rows per delete transaction, seconds between them.
+        dead_letter_retention_days: replayed dead letters are kept this long after replay.
+        reconcile_retention_days: reconciliation runs and their discrepancies.
+        worker_retention_days: ``workers`` rows this long after their last heartbeat.
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
             the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
@@ -90,6 +97,13 @@ class Settings(BaseSettings):
     results_publishers: int = Field(2, ge=1, le=32)
     results_retention_days: float = Field(7.0, ge=0)
     results_send_timeout: float = Field(10.0, gt=0)
+    retention_days: float = Field(30.0, gt=0)
+    prune_interval: float = Field(3600.0, ge=0)
+    prune_batch_size: int = Field(5000, ge=1, le=100_000)
+    prune_pause: float = Field(0.0, ge=0)
+    dead_letter_retention_days: float = Field(30.0, gt=0)
+    reconcile_retention_days: float = Field(90.0, gt=0)
+    worker_retention_days: float = Field(7.0, gt=0)
 
     @field_validator("database_url")
     @classmethod

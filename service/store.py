@@ -192,7 +192,7 @@ class Store:
             rows = await conn.fetch(
                 Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
             )
-            await conn.execute(Q["prune_workers"])
+            # Workers rows go in service.prune (INGEST_WORKER_RETENTION_DAYS).
             return list(rows)
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:

@@ -139,11 +139,12 @@ SELECT count(*) AS pending,
   FROM outbox WHERE published_at IS NULL
 
 -- name: outbox_prune
--- Published rows past their retention, in short batches (never an unpublished row).
+-- Published rows past their retention, in short batches (never an unpublished row); one of
+-- service/prune.py's steps (INGEST_RESULTS_RETENTION_DAYS).
 DELETE FROM outbox
  WHERE id IN (SELECT id FROM outbox
                WHERE published_at < now() - make_interval(secs => $1)
-               ORDER BY id LIMIT $2
+               ORDER BY published_at LIMIT $2
                  FOR UPDATE SKIP LOCKED)
 
 -- name: register_worker
@@ -198,12 +199,6 @@ DELETE FROM modifications
    AND received_at < now() - interval '30 seconds'
 RETURNING request_id
 
--- name: prune_workers
-DELETE FROM workers
- WHERE heartbeat_at < now() - interval '7 days'
-   AND NOT EXISTS (SELECT 1 FROM modifications m
-                    WHERE m.owner = workers.worker_id AND m.status = 'IN_PROGRESS')
-
 -- name: dlq_list
 -- Dead letters (`sqs-ingest dlq`). Listing: filters by reason and time; replayed rows
 -- only when asked ($4); up to id $6 (what `replay --all` would send: --dry-run). No
@@ -251,3 +246,137 @@ SELECT max(id) FROM dead_letters
 
 -- name: dlq_mark_replayed
 UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::bigint[]) RETURNING id
+
+-- Retention (service/prune.py). Each statement deletes one short batch — the oldest $2
+-- rows past the cutoff ($1 seconds before now), by the index migration 004 made for it —
+-- and is its own transaction. SKIP LOCKED: a row some session holds is left for the next
+-- pass, so the pruner never waits on ingestion; ingestion waits on the pruner only for a
+-- row of the batch in flight (a claim of that very request_id), for one batch at most.
+
+-- name: prune_modifications
+-- Never IN_PROGRESS. A completed request whose id an unreplayed dead letter carries is
+-- kept: replaying that letter must meet its request (duplicate), not apply it again. The
+-- retry counts of the deleted requests go with them, and the entity checkpoint takes the
+-- winner of the deleted entity modifications (same order as transforms.replay_entities:
+-- version desc nulls last, completed_at, id), in the same transaction.
+WITH doomed AS (
+    SELECT m.id FROM modifications m
+     WHERE m.status = 'COMPLETED'
+       AND m.completed_at < now() - make_interval(secs => $1)
+       AND NOT EXISTS (SELECT 1 FROM dead_letters d
+                        WHERE d.request_id = m.request_id AND d.replayed_at IS NULL)
+     ORDER BY m.completed_at
+     LIMIT $2
+       FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM modifications m USING doomed
+     WHERE m.id = doomed.id AND m.status = 'COMPLETED'
+    RETURNING m.id, m.request_id, m.request_type, m.payload, m.completed_at
+), retries AS (
+    DELETE FROM retry_attempts r USING gone WHERE r.request_id = gone.request_id
+    RETURNING r.request_id
+), winners AS (
+    SELECT DISTINCT ON (entity_id) * FROM (
+        SELECT payload->>'entity_id' AS entity_id, id, request_id, request_type,
+               CASE WHEN jsonb_typeof(payload->'version') = 'number'
+                    THEN (payload->>'version')::numeric::bigint END AS version,
+               md5((payload->'data')::text) AS data_md5, completed_at
+          FROM gone
+         WHERE request_type IN ('entity.upsert', 'entity.delete')
+           AND payload->>'entity_id' IS NOT NULL) g
+     ORDER BY entity_id, version DESC NULLS LAST, completed_at, id
+), checkpoints AS (
+    INSERT INTO entity_checkpoints AS c
+        (entity_id, modification_id, request_id, request_type, version, data_md5, completed_at)
+    SELECT entity_id, id, request_id, request_type, version, data_md5, completed_at
+      FROM winners
+     ORDER BY entity_id
+    ON CONFLICT (entity_id) DO UPDATE
+       SET modification_id = EXCLUDED.modification_id, request_id = EXCLUDED.request_id,
+           request_type = EXCLUDED.request_type, version = EXCLUDED.version,
+           data_md5 = EXCLUDED.data_md5, completed_at = EXCLUDED.completed_at
+     WHERE (EXCLUDED.version IS NOT NULL AND (c.version IS NULL OR EXCLUDED.version > c.version))
+        OR (EXCLUDED.version IS NOT DISTINCT FROM c.version
+            AND (EXCLUDED.completed_at, EXCLUDED.modification_id)
+                < (c.completed_at, c.modification_id))
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone) AS modifications,
+       (SELECT count(*) FROM retries) AS retry_attempts,
+       (SELECT count(*) FROM checkpoints) AS checkpoints
+
+-- name: prune_count_modifications
+SELECT count(*) FROM modifications m
+ WHERE m.status = 'COMPLETED'
+   AND m.completed_at < now() - make_interval(secs => $1)
+   AND NOT EXISTS (SELECT 1 FROM dead_letters d
+                    WHERE d.request_id = m.request_id AND d.replayed_at IS NULL)
+
+-- name: prune_retry_attempts
+-- Counts of a request that stopped coming back (its SQS retention ran out while it was
+-- failing): older than the retention, it can never be received again.
+DELETE FROM retry_attempts
+ WHERE request_id IN (SELECT request_id FROM retry_attempts
+                       WHERE updated_at < now() - make_interval(secs => $1)
+                       ORDER BY updated_at LIMIT $2
+                         FOR UPDATE SKIP LOCKED)
+
+-- name: prune_count_retry_attempts
+SELECT count(*) FROM retry_attempts WHERE updated_at < now() - make_interval(secs => $1)
+
+-- name: prune_dead_letters
+-- Replayed ones only: an unreplayed dead letter is kept until somebody looks at it.
+DELETE FROM dead_letters
+ WHERE id IN (SELECT id FROM dead_letters
+               WHERE replayed_at < now() - make_interval(secs => $1)
+               ORDER BY replayed_at LIMIT $2
+                 FOR UPDATE SKIP LOCKED)
+
+-- name: prune_count_dead_letters
+SELECT count(*) FROM dead_letters WHERE replayed_at < now() - make_interval(secs => $1)
+
+-- name: prune_reconciliation_discrepancies
+-- Before their runs, in batches: one run can hold many, and the runs' ON DELETE CASCADE
+-- would delete them all in one transaction.
+DELETE FROM reconciliation_discrepancies
+ WHERE id IN (SELECT d.id FROM reconciliation_discrepancies d
+               WHERE d.run_id IN (SELECT run_id FROM reconciliation_runs
+                                   WHERE finished_at < now() - make_interval(secs => $1))
+               LIMIT $2
+                 FOR UPDATE SKIP LOCKED)
+
+-- name: prune_count_reconciliation_discrepancies
+SELECT count(*) FROM reconciliation_discrepancies d
+ WHERE d.run_id IN (SELECT run_id FROM reconciliation_runs
+                     WHERE finished_at < now() - make_interval(secs => $1))
+
+-- name: prune_reconciliation_runs
+DELETE FROM reconciliation_runs
+ WHERE run_id IN (SELECT run_id FROM reconciliation_runs
+                   WHERE finished_at < now() - make_interval(secs => $1)
+                   ORDER BY finished_at LIMIT $2
+                     FOR UPDATE SKIP LOCKED)
+
+-- name: prune_count_reconciliation_runs
+SELECT count(*) FROM reconciliation_runs WHERE finished_at < now() - make_interval(secs => $1)
+
+-- name: prune_workers
+-- Workers whose last heartbeat is older than the retention (stopped, or died without
+-- saying so) and that hold no claim (GC releases those first).
+DELETE FROM workers
+ WHERE worker_id IN (SELECT w.worker_id FROM workers w
+                      WHERE w.heartbeat_at < now() - make_interval(secs => $1)
+                        AND NOT EXISTS (SELECT 1 FROM modifications m
+                                         WHERE m.owner = w.worker_id
+                                           AND m.status = 'IN_PROGRESS')
+                      ORDER BY w.heartbeat_at LIMIT $2
+                        FOR UPDATE SKIP LOCKED)
+
+-- name: prune_count_workers
+SELECT count(*) FROM workers w
+ WHERE w.heartbeat_at < now() - make_interval(secs => $1)
+   AND NOT EXISTS (SELECT 1 FROM modifications m
+                    WHERE m.owner = w.worker_id AND m.status = 'IN_PROGRESS')
+
+-- name: prune_count_outbox
+SELECT count(*) FROM outbox WHERE published_at < now() - make_interval(secs => $1)

@@ -1,0 +1,258 @@
+"""Retention: the one pruner of every table that only grows (SPEC §5 "retention").
+
+What goes, and when (each retention is a setting, README "Retention"):
+
+* ``modifications``: ``COMPLETED`` rows ``INGEST_RETENTION_DAYS`` after ``completed_at``,
+  with their ``retry_attempts`` row; never ``IN_PROGRESS``; never a request whose id an
+  unreplayed dead letter carries (``dlq replay`` of that letter must still meet it and be
+  a duplicate, not apply it a second time). Each delete also folds the deleted entity
+  modifications into ``entity_checkpoints``, so reconciliation replays the same state.
+* ``retry_attempts``: counts not touched for ``INGEST_RETENTION_DAYS`` (a message that
+  stopped coming back).
+* ``dead_letters``: replayed ones, ``INGEST_DEAD_LETTER_RETENTION_DAYS`` after the replay;
+  unreplayed ones stay until somebody looks at them.
+* ``reconciliation_discrepancies`` then ``reconciliation_runs``:
+  ``INGEST_RECONCILE_RETENTION_DAYS`` after the run finished.
+* ``workers``: ``INGEST_WORKER_RETENTION_DAYS`` after the last heartbeat, claims released.
+* ``outbox``: published rows ``INGEST_RESULTS_RETENTION_DAYS`` after publication.
+
+Exactly-once depends on the first one: a request deleted while SQS can still deliver it
+again would be applied again. :func:`check_retention` refuses any retention that does not
+exceed the queue's ``MessageRetentionPeriod`` (the daemon at start, ``sqs-ingest prune``).
+
+How: batches of ``INGEST_PRUNE_BATCH_SIZE`` rows, each one statement in its own transaction,
+picked oldest first by a partial index (migration 004) with ``FOR UPDATE SKIP LOCKED``;
+``INGEST_PRUNE_PAUSE`` seconds between batches. A pass is resumable by construction: it
+keeps no state, so an interrupted one simply continues where the next one starts.
+
+One pruner at a time across replicas: a session advisory lock (``pg_try_advisory_lock``) on
+the pass's own connection. A second pruner does not wait: it skips the pass. The lock goes
+with the connection, so a pruner killed mid-pass never leaves it taken (a lease row would
+need an expiry and a clock). Behind a transaction-mode pooler (pgbouncer) session locks do
+not hold: point the daemon at the database directly, as migrations already require.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from service import metrics
+from service.settings import Settings
+from service.sql import queries
+
+log = structlog.get_logger("sqs_ingest.prune")
+
+Q = queries()
+
+#: Distinct from the migration (0x5151_1E57) and reconcile (0x5151_2EC0) locks.
+PRUNE_LOCK_KEY = 0x5151_9A7E
+DAY = 86_400.0
+#: The longest MessageRetentionPeriod SQS accepts (14 days): a retention above it is safe
+#: whatever the queue says, so ``prune`` may go on when the queue cannot be asked.
+SQS_MAX_RETENTION = 1_209_600
+
+#: Every table the pruner deletes from: one ``sqs_ingest_pruned_rows_total`` series each.
+TABLES = ("modifications", "retry_attempts", "dead_letters", "reconciliation_discrepancies",
+          "reconciliation_runs", "workers", "outbox")
+
+
+class RetentionRefused(Exception):
+    """A retention a redelivery could outlive: exit 2 with this one line."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One table's delete: ``statement($1 = retention seconds, $2 = batch size)``."""
+
+    table: str
+    statement: str
+    count: str
+    retention: Callable[[Settings], float]  # days
+
+
+STEPS = (
+    # First: what the exactly-once promise is about (and it also empties retry_attempts).
+    Step("modifications", "prune_modifications", "prune_count_modifications",
+         lambda s: s.retention_days),
+    Step("retry_attempts", "prune_retry_attempts", "prune_count_retry_attempts",
+         lambda s: s.retention_days),
+    Step("dead_letters", "prune_dead_letters", "prune_count_dead_letters",
+         lambda s: s.dead_letter_retention_days),
+    # Discrepancies before their runs: the runs' cascade would take a run's in one go.
+    Step("reconciliation_discrepancies", "prune_reconciliation_discrepancies",
+         "prune_count_reconciliation_discrepancies", lambda s: s.reconcile_retention_days),
+    Step("reconciliation_runs", "prune_reconciliation_runs", "prune_count_reconciliation_runs",
+         lambda s: s.reconcile_retention_days),
+    Step("workers", "prune_workers", "prune_count_workers", lambda s: s.worker_retention_days),
+    Step("outbox", "outbox_prune", "prune_count_outbox", lambda s: s.results_retention_days),
+)
+
+
+def check_retention(settings: Settings, queue_retention_seconds: int) -> None:
+    """Raise RetentionRefused unless every retention that keeps a redelivery out exceeds
+    the queue's ``MessageRetentionPeriod``: ``INGEST_RETENTION_DAYS`` (the request is the
+    duplicate check) and ``INGEST_DEAD_LETTER_RETENTION_DAYS`` (the dead letter is what
+    keeps a dead-lettered message from being applied if SQS delivers it again)."""
+    for var, days in (("INGEST_RETENTION_DAYS", settings.retention_days),
+                      ("INGEST_DEAD_LETTER_RETENTION_DAYS", settings.dead_letter_retention_days)):
+        if days * DAY <= queue_retention_seconds:
+            raise RetentionRefused(
+                f"configuration error: {var}={days:g} ({days * DAY:.0f} s) does not exceed "
+                f"the queue's MessageRetentionPeriod={queue_retention_seconds} s "
+                f"({queue_retention_seconds / DAY:g} days): SQS could redeliver a request "
+                f"after it was pruned; set {var} above {queue_retention_seconds / DAY:g}")
+
+
+def safe_without_queue(settings: Settings) -> bool:
+    """True when no SQS queue can hold a message as long as the retentions: the check
+    holds whatever the queue's own MessageRetentionPeriod."""
+    return min(settings.retention_days, settings.dead_letter_retention_days) * DAY \
+        > SQS_MAX_RETENTION
+
+
+async def delete_batch(conn: asyncpg.Connection, step: Step, settings: Settings,
+                       limit: int) -> dict[str, int]:
+    """One batch of ``step`` on ``conn`` (the caller owns the transaction): rows deleted
+    per table. Tests call it inside their own transaction to hold a batch open."""
+    seconds = step.retention(settings) * DAY
+    if step.table == "modifications":
+        row = await conn.fetchrow(Q[step.statement], seconds, limit)
+        return {"modifications": int(row["modifications"]),
+                "retry_attempts": int(row["retry_attempts"])}
+    status = await conn.execute(Q[step.statement], seconds, limit)
+    return {step.table: int(status.split()[-1])}
+
+
+async def count_due(conn: asyncpg.Connection, settings: Settings) -> dict[str, int]:
+    """What a pass would delete now (``--dry-run``): read only, no lock taken."""
+    counts: dict[str, int] = {}
+    for step in STEPS:
+        counts[step.table] = int(await conn.fetchval(
+            Q[step.count], step.retention(settings) * DAY))
+    return counts
+
+
+@contextlib.asynccontextmanager
+async def _connection(db: asyncpg.Pool | str) -> AsyncIterator[asyncpg.Connection]:
+    if isinstance(db, str):
+        conn = await asyncpg.connect(db, command_timeout=300)
+        try:
+            yield conn
+        finally:
+            await conn.close(timeout=5)
+    else:
+        async with db.acquire() as conn:
+            yield conn
+
+
+async def prune_once(
+    db: asyncpg.Pool | str,
+    settings: Settings,
+    *,
+    dry_run: bool = False,
+    stop: asyncio.Event | None = None,
+) -> dict[str, int] | None:
+    """One pass over every table: rows deleted per table (with ``dry_run``, rows that
+    would be). ``None`` when another pruner holds the lock (nothing done).
+
+    ``db``: a DSN (the pass opens and closes its own connection: the daemon's pools stay
+    free) or a pool (one connection is held for the pass). ``stop`` ends the pass between
+    batches. Batch size and pause: ``settings.prune_batch_size`` / ``prune_pause``.
+    """
+    async with _connection(db) as conn:
+        if dry_run:
+            return await count_due(conn, settings)
+        if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", PRUNE_LOCK_KEY):
+            log.info("prune_skipped", reason="another pruner holds the lock")
+            return None
+        try:
+            return await _pass(conn, settings, stop)
+        finally:
+            if not conn.is_closed():
+                await conn.execute("SELECT pg_advisory_unlock($1)", PRUNE_LOCK_KEY)
+
+
+async def _pass(conn: asyncpg.Connection, settings: Settings,
+                stop: asyncio.Event | None) -> dict[str, int]:
+    totals = dict.fromkeys(TABLES, 0)
+    limit = settings.prune_batch_size
+    started = time.monotonic()
+    for step in STEPS:
+        while stop is None or not stop.is_set():
+            async with conn.transaction():
+                deleted = await delete_batch(conn, step, settings, limit)
+            for table, n in deleted.items():
+                totals[table] += n
+                if n:
+                    metrics.pruned_rows.labels(table).inc(n)
+            if deleted[step.table] < limit:
+                break  # the rest is younger (or locked: next pass)
+            if settings.prune_pause:
+                await asyncio.sleep(settings.prune_pause)
+    log.info("pruned", seconds=round(time.monotonic() - started, 3),
+             **{t: n for t, n in totals.items() if n})
+    return totals
+
+
+def queue_retention(attrs: dict[str, str]) -> int:
+    """The queue's MessageRetentionPeriod (seconds); SQS's maximum if it does not say."""
+    return int(attrs.get("MessageRetentionPeriod", SQS_MAX_RETENTION))
+
+
+async def _ask_queue(settings: Settings) -> int:
+    from service.sqs import SqsQueue, sqs_client
+
+    async with sqs_client(settings.aws_region, settings.sqs_endpoint_url) as client:
+        return queue_retention(await SqsQueue(client, settings.queue_url).attributes())
+
+
+async def command(settings: Settings, dry_run: bool, queue_url_set: bool = True) -> int:
+    """``sqs-ingest prune [--dry-run]``: the safety check, one pass, a line per table.
+
+    The queue cannot be asked (unset, unreachable, gone): a retention above SQS's maximum
+    MessageRetentionPeriod (14 days) is safe whatever the queue says, so the pass runs, with
+    a warning; a shorter one cannot be proven safe, so nothing is deleted (exit 1)."""
+    import sys
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from service.errors import TransientError
+    from service.settings import redact_dsn
+
+    try:
+        if not queue_url_set:
+            raise TransientError("INGEST_QUEUE_URL is not set")
+        check_retention(settings, await _ask_queue(settings))
+    except RetentionRefused as exc:
+        print(f"sqs-ingest: {exc}", file=sys.stderr)
+        return 2
+    except (TransientError, BotoCoreError, ClientError, OSError) as exc:  # cannot ask
+        if not safe_without_queue(settings):
+            print(f"sqs-ingest: prune refused: cannot read the queue's MessageRetentionPeriod"
+                  f" ({type(exc).__name__}: {str(exc)[:300]}) and INGEST_RETENTION_DAYS / "
+                  f"INGEST_DEAD_LETTER_RETENTION_DAYS do not exceed SQS's maximum (14 days)",
+                  file=sys.stderr)
+            return 1
+        log.warning("prune_queue_unchecked", error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                    reason="retentions exceed SQS's maximum MessageRetentionPeriod")
+    try:
+        counts = await prune_once(settings.database_url, settings, dry_run=dry_run)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        print(f"sqs-ingest: prune failed on {redact_dsn(settings.database_url)}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if counts is None:
+        print("another pruner holds the lock (a daemon replica or a prune run): nothing done")
+        return 0
+    verb = "would delete" if dry_run else "deleted"
+    for table in TABLES:
+        print(f"{table:<30} {counts[table]:>12}")
+    print(f"{verb} {sum(counts.values())} row(s)")
+    return 0
