@@ -1,6 +1,6 @@
 """Results out through the transactional outbox, with the real ``sqs-ingest run`` process:
-kill -9 while publishing to a FIFO queue, an SNS topic fanned out to queues (raw delivery
-on and off), a destination that refuses for a while, two replicas publishing at once."""
+kill -9 while publishing to a FIFO queue, a destination that refuses for a while, two
+replicas publishing at once. SNS destinations: tests/acceptance/test_results_sns.py (LocalStack)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import boto3
 import pytest
 from aiohttp import web
 
@@ -66,7 +65,8 @@ def read_all(sqs: Any, url: str, quiet_polls: int = 2) -> list[dict[str, Any]]:
     while empty < quiet_polls:
         assert time.monotonic() < deadline, "results queue never went quiet"
         got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1,
-                                  MessageAttributeNames=["All"]).get("Messages", [])
+                                  MessageAttributeNames=["All"],
+                                  AttributeNames=["All"]).get("Messages", [])
         empty = 0 if got else empty + 1
         out.extend(got)
         if got:
@@ -175,46 +175,6 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
     assert by_id[(some, "COMPLETED")]["type"] == w.valid[some][0]
     print(f"kills=6 results={len(docs)} completed={len(w.valid)} "
           f"failed={len(keyed_poison(w))}")
-
-
-async def test_sns_topic_to_queues_raw_and_enveloped_at_least_once(
-    database_url: str, make_queue: Any, sqs_client: Any, sqs_endpoint: str, spawn: Callable[..., Daemon],
-) -> None:
-    sns = boto3.client("sns", endpoint_url=sqs_endpoint, region_name="us-east-1")
-    topic = sns.create_topic(Name="results-" + uuid.uuid4().hex[:8])["TopicArn"]
-    raw_q, env_q = results_queue(sqs_client, False), results_queue(sqs_client, False)
-    for q, raw in ((raw_q, "true"), (env_q, "false")):
-        arn = sqs_client.get_queue_attributes(
-            QueueUrl=q, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-        sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn,
-                      Attributes={"RawMessageDelivery": raw})
-    w = Workload(seed=2020)
-    bodies = w.bodies(120)
-    source = make_queue(visibility=5)
-    d = spawn(daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_TOPIC_ARN=topic))
-    send_all(sqs_client, source, bodies)
-    d.wait_ready()
-    for _ in range(3):
-        time.sleep(0.7)
-        d.kill9()
-        d.start()
-    wait_drained(sqs_client, source, [d], timeout=120)
-    await wait_published(database_url)
-    assert d.stop() == 0
-    expected = {(r, "COMPLETED") for r in w.valid} | {(r, "FAILED") for r in keyed_poison(w)}
-    raw = Counter((doc["request_id"], doc["status"])
-                  for doc in results_of(read_all(sqs_client, raw_q)))
-    enveloped: Counter[tuple[str, str]] = Counter()
-    for m in read_all(sqs_client, env_q):
-        envelope = json.loads(m["Body"])
-        assert envelope["Type"] == "Notification" and envelope["TopicArn"] == topic
-        doc = json.loads(envelope["Message"])
-        assert envelope["MessageAttributes"]["request_id"]["Value"] == doc["request_id"]
-        enveloped[(doc["request_id"], doc["status"])] += 1
-    for got in (raw, enveloped):
-        assert set(got) == expected  # every outcome at least once, nothing else
-    dups = sum(raw.values()) - len(raw)
-    print(f"standard SNS, 3 kills: {len(expected)} outcomes, {dups} duplicate(s) delivered")
 
 
 class Refusing(FaultProxy):
