@@ -34,7 +34,8 @@ test-investigations: install
 test-fast: install
 	$(PY) -m pytest -q -rs -m "not chaos and not spark and not container" $(PYTEST_ARGS)
 
-## make bench [N=20000] [LATENCY_MS=20] [SOAK=600]: ceiling vs naive vs daemon, side by side
+## make bench [N=20000] [LATENCY_MS=20] [SOAK=600] [BASELINE=<ref>] [RESULTS=1]: ceiling vs naive vs daemon,
+## side by side; BASELINE adds old-vs-new drains, RESULTS=1 results-out on-vs-off drains (ABBA)
 bench: install
 	$(PY) bench/throughput.py
 

@@ -45,6 +45,13 @@ the daemon's CPU divided by LocalStack's in the same drain (LocalStack's code is
 for both, so that ratio removes most of the machine's noise). With
 PROFILE=1 the baseline gets a profiled drain too. PHASES=compare runs only the comparison.
 
+Results out on vs off (issue 10): ``RESULTS=1 make bench`` (or PHASES=results for only that)
+adds ROUNDS rounds of two drains of this code, without and with INGEST_RESULTS_QUEUE_URL (a
+fresh LocalStack SQS queue; one SendMessageBatch per ten results), in ABBA order. Each "on"
+drain waits until all N results are in the results queue; reported: ingestion rate and CPU
+per message for both, the per-round on/off ratios, and how long the results took to leave
+(last ``published_at`` after the first commit; commit-to-publish delay p50 and max).
+
 Prints a table and writes everything as JSON to bench/results/ (gitignored).
 """
 
@@ -578,6 +585,68 @@ def report_compare(c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def phase_results(env: Env, n: int, endpoint: str, rounds: int) -> dict[str, Any]:
+    """Results out on vs off (issue 10): ROUNDS pairs of drains of the same code, without
+    and with ``INGEST_RESULTS_QUEUE_URL`` (a fresh LocalStack SQS queue per drain: one
+    SendMessageBatch per ten results), in ABBA order so that the machine's drift hits
+    both alike."""
+    drains: list[dict[str, Any]] = []
+    for rnd in range(1, rounds + 1):
+        for mode in ("off", "on") if rnd % 2 else ("on", "off"):
+            label = f"results-r{rnd}-{mode}"
+            extra = ({"INGEST_RESULTS_QUEUE_URL": create_queue(env.ls.url, env.next("results"))}
+                     if mode == "on" else {})
+            print(f"bench: results round {rnd}/{rounds}: results {mode} ...", flush=True)
+            d = phase_daemon(env, n, endpoint, label, extra_env=extra)
+            d.update({"round": rnd, "mode": mode})
+            print(f"bench:   {d['rate']:,.0f} msg/s, daemon CPU {d['cpu_us_per_msg']:.0f} us/msg"
+                  + (f", all {d['results_in_queue']} results out "
+                     f"{d['results_done_seconds']:.1f} s after the first commit"
+                     if mode == "on" else ""), flush=True)
+            drains.append(d)
+    keys = ("rate", "cpu_us_per_msg", "localstack_cpu_us_per_msg", "postgres_cpu_us_per_msg")
+    per_mode = {m: {k: _spread([d[k] for d in drains if d["mode"] == m]) for k in keys}
+                for m in ("off", "on")}
+    by_round = {(d["round"], d["mode"]): d for d in drains}
+    paired = {k: _spread([by_round[(r, "on")][k] / by_round[(r, "off")][k]
+                          for r in range(1, rounds + 1)]) for k in keys}
+    on = [d for d in drains if d["mode"] == "on"]
+    return {"label": "results", "n": n, "rounds": rounds, "per_mode": per_mode,
+            "paired_ratio": paired,
+            "results_done_seconds": _spread([d["results_done_seconds"] for d in on]),
+            "result_delay_p50": _spread([d["result_delay_p50"] for d in on]),
+            "result_delay_max": _spread([d["result_delay_max"] for d in on]),
+            "results_in_queue": [d["results_in_queue"] for d in on],
+            "exit_codes": [d["exit_code"] for d in drains], "drains": drains}
+
+
+def report_results(c: dict[str, Any]) -> list[str]:
+    lines = [f"results on vs off, N={c['n']}, {c['rounds']} rounds ABBA (results to a "
+             f"LocalStack SQS queue)",
+             f"{'round':<7}{'mode':<6}{'msg/s':>9}{'CPU us/msg':>12}{'LS us':>8}{'PG us':>8}"
+             f"{'out s':>8}{'exit':>6}"]
+    for d in c["drains"]:
+        out = f"{d['results_done_seconds']:.1f}" if d["mode"] == "on" else "-"
+        lines.append(f"{d['round']:<7}{d['mode']:<6}{d['rate']:>9,.0f}{d['cpu_us_per_msg']:>12.0f}"
+                     f"{d['localstack_cpu_us_per_msg']:>8.0f}{d['postgres_cpu_us_per_msg']:>8.0f}"
+                     f"{out:>8}{d['exit_code']:>6}")
+    for key, what, spec in (("rate", "msg/s", ",.0f"), ("cpu_us_per_msg", "CPU us/msg", ".0f"),
+                            ("localstack_cpu_us_per_msg", "LocalStack us/msg", ".0f")):
+        po, pn = c["per_mode"]["off"][key], c["per_mode"]["on"][key]
+        pr = c["paired_ratio"][key]
+        lines.append(
+            f"{what:<18} median off {po['median']:{spec}} ({po['min']:{spec}}-{po['max']:{spec}}), "
+            f"on {pn['median']:{spec}} ({pn['min']:{spec}}-{pn['max']:{spec}}); on/off per round "
+            f"{pr['min']:.3f}-{pr['max']:.3f}, median {pr['median']:.3f}")
+    rd, dm = c["results_done_seconds"], c["result_delay_max"]
+    lines.append(f"results out: all {c['results_in_queue']} published "
+                 f"{rd['median']:.1f} s (median) after the first commit; commit-to-publish "
+                 f"p50 {c['result_delay_p50']['median']:.2f} s, max {dm['max']:.2f} s")
+    lines.append(f"target: ingestion with results >= 0.8x without (median paired ratio "
+                 f"{c['paired_ratio']['rate']['median']:.3f})")
+    return lines
+
+
 # -- the bench --------------------------------------------------------------------------
 
 
@@ -652,6 +721,32 @@ def db_window(dsn: str) -> tuple[int, float, float]:
     return asyncio.run(go())
 
 
+def outbox_window(dsn: str, first_completed: float) -> dict[str, Any]:
+    """How long the results took to leave: the last ``published_at`` after the first
+    completion, and the longest commit-to-publish delay of one result."""
+    import asyncpg
+
+    async def go() -> dict[str, Any]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            r = await conn.fetchrow(
+                "SELECT count(*) FILTER (WHERE published_at IS NOT NULL) AS published,"
+                " count(*) FILTER (WHERE published_at IS NULL) AS pending,"
+                " extract(epoch FROM max(published_at)) AS last,"
+                " extract(epoch FROM max(published_at - completed_at)) AS max_delay,"
+                " extract(epoch FROM percentile_cont(0.5) WITHIN GROUP"
+                "   (ORDER BY published_at - completed_at)) AS p50_delay"
+                " FROM outbox")
+            return {"outbox_published": int(r["published"]), "outbox_pending": int(r["pending"]),
+                    "results_done_seconds": float(r["last"] or 0) - first_completed,
+                    "result_delay_max": float(r["max_delay"] or 0),
+                    "result_delay_p50": float(r["p50_delay"] or 0)}
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
 class CountPoller:
     """One connection kept open to count COMPLETED rows cheaply while the daemon drains."""
 
@@ -697,8 +792,10 @@ def phase_naive(env: Env, n: int) -> dict[str, Any]:
 
 def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = False,
                  soak: float = 0.0, soak_rate: int = 0,
-                 tree: CodeTree | None = None) -> dict[str, Any]:
-    """One drain by ``python -m service run`` from this checkout, or from ``tree``."""
+                 tree: CodeTree | None = None,
+                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One drain by ``python -m service run`` from this checkout, or from ``tree``;
+    ``extra_env`` adds INGEST_* settings for this drain only (the results phase)."""
     dsn = new_database(env, env.next("daemon"), tree)
     url = create_queue(env.ls.url, env.next("daemon"))
     if not soak:
@@ -708,7 +805,8 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
     log_path = RESULTS / f"daemon-{label}.log"
     denv = {**os.environ, "INGEST_QUEUE_URL": url, "INGEST_DATABASE_URL": dsn,
             "INGEST_SQS_ENDPOINT_URL": endpoint, "INGEST_HTTP_PORT": str(port),
-            "INGEST_HTTP_HOST": "127.0.0.1", **(tree.env() if tree else {})}
+            "INGEST_HTTP_HOST": "127.0.0.1", **(tree.env() if tree else {}),
+            **(extra_env or {})}
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service", "run"],
                             cwd=tree.path if tree else ROOT, env=denv,
@@ -758,6 +856,12 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
             finally:
                 counter.close()
             wait_until(lambda: queue_depth(env.ls.url, url) == 0, 60, "acks of the last batches")
+            results_url = (extra_env or {}).get("INGEST_RESULTS_QUEUE_URL")
+            if results_url and not soak:
+                # Every result out before the daemon stops (SIGTERM would drain the rest).
+                wait_until(lambda: queue_depth(env.ls.url, results_url) >= n, max(60, n / 50),
+                           "every result in the results queue")
+                res["results_in_queue"] = queue_depth(env.ls.url, results_url)
             metrics = scrape(port)
             res["peak_rss_mb"] = proc_status(proc.pid, "VmHWM") / 2**20
             res["rss_end_mb"] = proc_status(proc.pid, "VmRSS") / 2**20
@@ -778,6 +882,8 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
                                             - s.at(first, "postgres_cpu")) / done * 1e6,
                 "lag_p50": quantile(lag, 0.5), "lag_p99": quantile(lag, 0.99),
             })
+        if (extra_env or {}).get("INGEST_RESULTS_QUEUE_URL") and not soak:
+            res.update(outbox_window(dsn, first))
         res["processed_total"] = sum(v for (k, _), v in metrics.items()
                                      if k == "sqs_ingest_messages_processed_total")
     finally:
@@ -997,6 +1103,8 @@ def report(r: dict[str, Any]) -> str:
                      f"{fmt(sk['lag_p50'], '.3f')} s, p99 {fmt(sk['lag_p99'], '.3f')} s")
     if r.get("compare"):
         lines.extend(report_compare(r["compare"]))
+    if r.get("results"):
+        lines.extend(report_results(r["results"]))
     for key in ("daemon_profiled", "daemon_profiled_baseline"):
         dp = r.get(key)
         if dp and "profile_summary" in dp:
@@ -1034,6 +1142,8 @@ def main() -> int:
     t0 = time.monotonic()
     if a.baseline:
         phases.add("compare")
+    if os.environ.get("RESULTS", "") not in ("", "0"):
+        phases.add("results")
     if "compare" in phases and not a.baseline:
         raise SystemExit("bench: PHASES=compare needs BASELINE=<git ref>")
     with contextlib.ExitStack() as stack:
@@ -1064,6 +1174,8 @@ def main() -> int:
             step("daemon", phase_daemon, env, a.n, ls.url, "daemon")
         if old and new:
             step("compare", phase_compare, env, a.n, ls.url, old, new, a.rounds)
+        if "results" in phases:
+            step("results", phase_results, env, a.n, ls.url, a.rounds)
         if a.latency_ms:
             from tests.faultproxy import FaultProxy
 
