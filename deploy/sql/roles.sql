@@ -84,7 +84,10 @@ GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO sqs_ingest_app;
 
 -- ... and every table or sequence the owner role creates from now on (migrations): e.g.
 -- `outbox` (002), which the daemon inserts into, claims with SELECT ... FOR UPDATE (needs
--- UPDATE), marks published and prunes (DELETE). tests/integration/test_roles.py runs it.
+-- UPDATE), marks published and prunes (DELETE); `entity_checkpoints` (004), which the
+-- pruner upserts (INSERT ... ON CONFLICT DO UPDATE) and the reconcile job reads. Retention
+-- (`sqs-ingest prune`) needs nothing more: DELETE on the tables, and a session advisory
+-- lock, which any role may take. tests/integration/test_roles.py runs both.
 ALTER DEFAULT PRIVILEGES FOR ROLE sqs_ingest_owner IN SCHEMA public
     GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO sqs_ingest_app;
 ALTER DEFAULT PRIVILEGES FOR ROLE sqs_ingest_owner IN SCHEMA public

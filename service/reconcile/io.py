@@ -153,10 +153,16 @@ def count_modifications(spark: SparkSession, db: Database, window: Window) -> in
 
 
 def read_entity_modifications(spark: SparkSession, db: Database, partitions: int) -> DataFrame:
-    """Every ``COMPLETED`` entity modification (all history: the state depends on all of it).
+    """Every ``COMPLETED`` entity modification (all history: the state depends on all of it),
+    plus, per entity, the checkpoint the pruner left for the ones it deleted.
 
     ``data`` travels as an md5 of its jsonb text: jsonb prints canonically (sorted keys, no
     whitespace), so equal documents hash equal, and the shuffle stays small.
+
+    A checkpoint row is the winner of replay_entities' order among the entity's pruned
+    modifications (service/prune.py writes it in the transaction that deletes them, under
+    its original id). The winner of a union is the winner of the winners, so the replay
+    over checkpoints plus what remains equals the replay over the whole history.
     """
     from service.reconcile.transforms import DELETE, ENTITY_MODIFICATIONS_SCHEMA, UPSERT
 
@@ -167,13 +173,19 @@ def read_entity_modifications(spark: SparkSession, db: Database, partitions: int
         "      THEN (payload->>'version')::numeric::bigint END AS version,"
         " md5((payload->'data')::text) AS data_md5, completed_at"
         f" FROM modifications WHERE status = 'COMPLETED' AND request_type IN {types}"
+        " UNION ALL"
+        " SELECT modification_id, request_id, request_type, entity_id, version, data_md5,"
+        " completed_at FROM entity_checkpoints"
     )
-    # Bounds over the whole table come straight from the primary-key index.
+    # Bounds from the primary-key indexes; checkpoints keep their (older) original ids.
     return _partitioned(
         spark,
         db,
         sub,
-        "SELECT min(id) AS lo, max(id) AS hi FROM modifications",
+        "SELECT least(m.lo, c.lo) AS lo, greatest(m.hi, c.hi) AS hi FROM"
+        " (SELECT min(id) AS lo, max(id) AS hi FROM modifications) m,"
+        " (SELECT min(modification_id) AS lo, max(modification_id) AS hi"
+        "  FROM entity_checkpoints) c",
         partitions,
         ENTITY_MODIFICATIONS_SCHEMA,
     )

@@ -162,8 +162,9 @@ async def test_only_what_is_past_its_retention_goes(
     assert set((await prune_once(database_url, s) or {}).values()) == {0}
 
 
+@pytest.mark.parametrize("batch", [1, 1000])
 async def test_entity_checkpoint_keeps_the_winner_of_what_was_pruned(
-    db: asyncpg.Connection, database_url: str,
+    db: asyncpg.Connection, database_url: str, batch: int,
 ) -> None:
     """Per entity, the checkpoint is the winner of replay_entities' order over everything
     pruned so far, across batches and passes: highest version, then first completed."""
@@ -179,13 +180,35 @@ async def test_entity_checkpoint_keeps_the_winner_of_what_was_pruned(
             "                    'data', jsonb_build_object('r', $1::text)),"
             " 'h', 'COMPLETED', 'm-' || $1, now() - make_interval(days => $3))",
             rid, version, days)
-    # Batches of one: the winner has to survive being compared across transactions.
-    await prune_once(database_url, settings(database_url, prune_batch_size=1))
+    # Batches of one: the winner is decided across transactions; one batch: inside it.
+    await prune_once(database_url, settings(database_url, prune_batch_size=batch))
     cps = {r["entity_id"]: (r["request_id"], r["version"]) for r in await db.fetch(
         "SELECT entity_id, request_id, version FROM entity_checkpoints")}
     assert cps == {"a": ("a2", 5), "b": ("b1", 1)}
     md5 = await db.fetchval("SELECT data_md5 FROM entity_checkpoints WHERE entity_id = 'a'")
     assert md5 == await db.fetchval("SELECT md5(jsonb_build_object('r', 'a2')::text)")
+
+
+async def test_each_batch_commits_on_its_own(
+    db: asyncpg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A claim never waits for more than the batch in flight: when the second batch starts,
+    the first one's deletes are already committed (seen from another session)."""
+    from service import prune
+
+    await completed(db, 9, 40, "old")
+    seen: list[int] = []
+    original = prune.delete_batch
+
+    async def watched(conn: asyncpg.Connection, step: Any, s: Settings,
+                      limit: int) -> dict[str, int]:
+        if step.table == "modifications":
+            seen.append(await db.fetchval("SELECT count(*) FROM modifications"))
+        return await original(conn, step, s, limit)
+
+    monkeypatch.setattr(prune, "delete_batch", watched)
+    await prune_once(database_url, settings(database_url, prune_batch_size=4))
+    assert seen == [9, 5, 1]
 
 
 # -- two sessions: a batch held open, deterministically ------------------------------------

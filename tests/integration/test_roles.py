@@ -206,3 +206,32 @@ async def test_results_publish_under_the_app_role(
             "SELECT count(*) FROM outbox WHERE request_id LIKE $1", f"{rid}-%") == 0
     finally:
         await conn.close()
+
+
+async def test_prune_under_the_app_role(cluster: tuple[Postgres, str, str]) -> None:
+    """Retention (migration 004) as the app role: deletes from every table, writes the entity
+    checkpoints (INSERT … ON CONFLICT DO UPDATE) and takes its advisory lock — no DDL."""
+    from service.prune import prune_once
+    from service.settings import Settings
+
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    rid = uuid.uuid4().hex[:8]
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO modifications (request_id, request_type, payload, payload_sha256,"
+            " status, sqs_message_id, completed_at) VALUES ($1, 'entity.upsert',"
+            " '{\"entity_id\": \"role-e\", \"version\": 1, \"data\": {}}', 'h', 'COMPLETED',"
+            " $1, now() - interval '40 days')", f"{rid}-old")
+        await conn.execute(
+            "INSERT INTO dead_letters (sqs_message_id, body, reason, replayed_at)"
+            " VALUES ($1, 'x', 'invalid_json', now() - interval '40 days')", f"{rid}-dl")
+        counts = await prune_once(dsn, Settings(queue_url="http://127.0.0.1:1/q",
+                                                database_url=dsn))
+        assert counts is not None
+        assert counts["modifications"] >= 1 and counts["dead_letters"] >= 1
+        assert await conn.fetchval(
+            "SELECT request_id FROM entity_checkpoints WHERE entity_id = 'role-e'") == f"{rid}-old"
+    finally:
+        await conn.close()
