@@ -10,11 +10,13 @@ from typing import TypeVar
 
 import asyncpg
 import structlog
+from aiobotocore.session import get_session
 
 from service import diagnose, metrics
 from service.errors import TransientError
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.migrate import SchemaBehind, check_schema
+from service.payloads import S3Payloads, s3_client
 from service.retry import Backoff
 from service.settings import Settings, redact_dsn
 from service.sqs import SqsQueue, sqs_client
@@ -132,8 +134,10 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
 
 
 async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
+    session = get_session()  # one credentials chain for SQS and S3
     async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
-                          max_pool_connections=settings.pollers * 2 + 10) as client:
+                          max_pool_connections=settings.pollers * 2 + 10,
+                          session=session) as client:
         queue = SqsQueue(client, settings.queue_url)
         attrs = await _retry("sqs", queue.attributes, state.stop)
         if attrs is None:
@@ -162,8 +166,13 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                 publisher = Publisher(store, sink, concurrency=settings.results_publishers)
                 log.info("results_on", destination=settings.results_topic_arn
                          or settings.results_queue_url, fifo=sink.fifo)
+            # S3-offloaded payloads: no S3 call is made until a pointer arrives.
+            s3 = await stack.enter_async_context(s3_client(
+                session, settings.aws_region, settings.effective_s3_endpoint_url,
+                max_pool_connections=settings.inflight_limit + 10))
+            payloads = S3Payloads(s3, settings.max_payload_bytes, settings.s3_delete_after_ack)
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
-                            publisher=publisher)
+                            publisher=publisher, payloads=payloads)
             state.worker = worker
             if state.stop.is_set():
                 worker.request_stop()

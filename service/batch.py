@@ -24,6 +24,7 @@ from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
 from service.messages import Message, Received, parse
+from service.payloads import S3Payloads, resolve_batch
 from service.plan import (
     INVALID_TYPE_LABEL,
     Plan,
@@ -59,6 +60,7 @@ class BatchProcessor:
         visibility_timeout: int,
         handler_timeout: float,
         fatal: Fatal,
+        payloads: S3Payloads | None = None,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -69,6 +71,7 @@ class BatchProcessor:
         self.invoker = Invoker(registry, handler_timeout)
         self.executor = PlanExecutor(queue, store)
         self.fatal = fatal
+        self.payloads = payloads  # S3-offloaded payloads (None: pointers are not resolved)
         # request_ids claimed by batches in flight (the own-leak GC spares them)
         self.holding: collections.Counter[str] = collections.Counter()
 
@@ -210,8 +213,11 @@ class BatchProcessor:
             del self.holding[request_id]
 
     async def _process(self, flight: InFlight, part: list[Received]) -> None:
-        t = triage(part, self.registry, self.policy)
-        plan = t.plan
+        rest, fetched, unread = await resolve_batch(
+            self.payloads, self.store, self.policy, part, self.fifo)
+        t = triage(rest, self.registry, self.policy, fetched)
+        del fetched  # parsed: the payloads' bytes are not held through the commit
+        plan = t.plan if unread is None else t.plan.merge(unread)
         if t.primaries:
             for m in t.primaries:
                 self.holding[m.request_id] += 1
@@ -231,6 +237,8 @@ class BatchProcessor:
                 plan.merge(await self._apply(c.to_apply))
         with tracing.step("settle", [*plan.acks, *(r for r, _ in plan.releases)]):
             await self.executor.carry_out(plan, flight)
+        if plan.offloaded and self.payloads is not None and self.payloads.delete_after_ack:
+            await self.payloads.delete(plan.offloaded)  # committed and acked: opt-in cleanup
         if self.fifo:
             # Within a bisection, a message handed back for any reason holds back the later
             # messages of its group in the halves still to come.

@@ -5,13 +5,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from service import attributes
 from service.handlers.registry import Registry
 from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
+
+if TYPE_CHECKING:
+    from service.payloads import Fetched, Pointer
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,8 @@ class Received:
     # (W3C traceparent/tracestate) and the AWSTraceHeader system attribute.
     attributes: dict[str, str] | None = field(default=None, hash=False, compare=False)
     trace_header: str | None = None
+    # The SQS MessageAttributes as received (None: the message has none).
+    message_attributes: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -40,6 +46,10 @@ class Message:
     payload_sha256: str
     sent_at: datetime | None = None
     failures: int = 0  # earlier handler failures, from the claim
+    # SQS + SNS-envelope message attributes (service.attributes), and their jsonb text.
+    attributes: dict[str, dict[str, str]] | None = None
+    attributes_json: str | None = None
+    pointer: Pointer | None = None  # where the payload was read from (S3), if offloaded
 
 
 @dataclass(slots=True)
@@ -61,13 +71,25 @@ def payload_hash(payload: Any) -> str:
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
 
-def parse(raw: Received, registry: Registry) -> Message | Poison:
-    """Validate one body. Every way a body can be wrong is a Poison with a reason."""
-    try:
-        doc = orjson.loads(raw.body)
-    except orjson.JSONDecodeError as exc:
-        return Poison(raw, "invalid_json", str(exc))
-    if isinstance(doc, dict) and doc.get("Type") == "Notification" and "Message" in doc:
+def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> Message | Poison:
+    """Validate one body — or, for a body that points to S3, the payload ``fetched`` from
+    there (a Poison still carries the pointer body). Every way a body can be wrong is a
+    Poison with a reason."""
+    envelope: Any = None
+    if fetched is not None:
+        envelope = fetched.pointer.envelope
+        try:
+            doc = orjson.loads(fetched.data)
+        except orjson.JSONDecodeError as exc:
+            return Poison(raw, "invalid_json", f"{fetched.pointer.uri}: {exc}")
+    else:
+        try:
+            doc = orjson.loads(raw.body)
+        except orjson.JSONDecodeError as exc:
+            return Poison(raw, "invalid_json", str(exc))
+    if fetched is None and isinstance(doc, dict) and doc.get("Type") == "Notification" \
+            and "Message" in doc:
+        envelope = doc
         inner = doc["Message"]
         if not isinstance(inner, str):
             return Poison(raw, "invalid_envelope", "SNS Message is not a string")
@@ -120,8 +142,16 @@ def parse(raw: Received, registry: Registry) -> Message | Poison:
         model = spec.model.model_validate(payload)
     except ValidationError as exc:
         return Poison(raw, "invalid_payload", _short(exc), request_id, mtype)
-    return Message(raw, request_id, mtype, model, payload,
-                   hashlib.sha256(canonical).hexdigest(), sent_at)
+    m = Message(raw, request_id, mtype, model, payload, hashlib.sha256(canonical).hexdigest(),
+                sent_at)
+    if raw.message_attributes or envelope is not None:
+        m.attributes = attributes.collect(
+            raw.message_attributes,
+            envelope.get("MessageAttributes") if isinstance(envelope, dict) else None)
+        m.attributes_json = attributes.encode(m.attributes)
+    if fetched is not None:
+        m.pointer = fetched.pointer
+    return m
 
 
 def _short(exc: ValidationError) -> str:

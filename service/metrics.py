@@ -98,6 +98,21 @@ outbox_oldest_age = Gauge(
 pruned_rows = Counter(
     P + "pruned_rows", "Rows deleted by retention (service.prune)", ["table"], registry=REGISTRY,
 )
+s3_fetches = Counter(
+    P + "s3_fetches", "S3 GetObject calls for offloaded payloads, by outcome "
+    "(fetched, missing, too_large, error)", ["outcome"], registry=REGISTRY,
+)
+s3_fetched_bytes = Counter(
+    P + "s3_fetched_bytes", "Bytes of offloaded payloads read from S3", registry=REGISTRY
+)
+s3_errors = Counter(
+    P + "s3_errors", "S3 calls that failed transiently (the message is retried), by kind",
+    ["kind"], registry=REGISTRY,
+)
+s3_deletes = Counter(
+    P + "s3_deletes", "Offloaded payloads deleted after commit and ack "
+    "(INGEST_S3_DELETE_AFTER_ACK), by outcome", ["outcome"], registry=REGISTRY,
+)
 ready = Gauge(P + "ready", "1 when /readyz answers 200", registry=REGISTRY)
 build_info = Info(P + "build", "Build information", registry=REGISTRY)
 build_info.info({"version": __version__})
@@ -108,6 +123,7 @@ DEAD_LETTER_REASONS = (
     "invalid_json", "invalid_envelope", "missing_request_id", "missing_type", "unknown_type",
     "invalid_payload", "request_id_too_long", "type_too_long", "idempotency_key_reused",
     "max_receives_exceeded", "rejected_by_database", "processing_error",
+    "payload_object_missing", "payload_too_large",
 )
 OUTCOMES = ("completed", "duplicate", "dead_lettered", "retried")
 
@@ -121,6 +137,18 @@ def prime(types: Iterable[str]) -> None:
     for type_ in (*types, "_invalid"):
         for outcome in OUTCOMES:
             messages_processed.labels(type_, outcome)
+    from service.payloads import DELETE_OUTCOMES, ERROR_KINDS, FETCH_OUTCOMES
+
+    for outcome in FETCH_OUTCOMES:
+        s3_fetches.labels(outcome)
+    for kind in ERROR_KINDS:
+        s3_errors.labels(kind)
+    for outcome in DELETE_OUTCOMES:
+        s3_deletes.labels(outcome)
+    from service.prune import TABLES  # the pruner's tables, one series each
+
+    for table in TABLES:
+        pruned_rows.labels(table)
     from service.prune import TABLES  # the pruner's tables, one series each
 
     for table in TABLES:

@@ -15,6 +15,7 @@ import structlog
 from service.handlers import Registry
 from service.limits import storable
 from service.messages import Message, Poison, Received, parse
+from service.payloads import Fetched, Pointer
 from service.retry import RetryPolicy
 from service.seams import ApplyResult, ClaimResult, DeadLetter
 
@@ -31,6 +32,8 @@ class Plan:
     acks: list[Received] = field(default_factory=list)  # delete once the letters are committed
     releases: list[tuple[Received, int]] = field(default_factory=list)  # visibility, last
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (type label, outcome)
+    # S3 objects of completed requests: deleted after the ack (INGEST_S3_DELETE_AFTER_ACK).
+    offloaded: list[Pointer] = field(default_factory=list)
     dead_letter_reasons: list[str] = field(default_factory=list)  # dead_letters_total
     lags: list[float] = field(default_factory=list)  # commit time - SentTimestamp
     contention: int = 0  # deferrals because another owner held the claim
@@ -52,6 +55,7 @@ class Plan:
         self.acks += other.acks
         self.releases += other.releases
         self.outcomes += other.outcomes
+        self.offloaded += other.offloaded
         self.dead_letter_reasons += other.dead_letter_reasons
         self.lags += other.lags
         self.contention += other.contention
@@ -66,13 +70,17 @@ class Triage:
     plan: Plan  # poison dead-lettered; twins handed back
 
 
-def triage(batch: Sequence[Received], registry: Registry, policy: RetryPolicy) -> Triage:
-    """Parse every body. Poison is dead-lettered; the same request_id twice in one batch
-    is decided on the second copy's next delivery, after the first one's outcome."""
+def triage(
+    batch: Sequence[Received], registry: Registry, policy: RetryPolicy,
+    fetched: Mapping[str, Fetched] | None = None,
+) -> Triage:
+    """Parse every body (``fetched``: the S3 payloads of pointer bodies, by message id).
+    Poison is dead-lettered; the same request_id twice in one batch is decided on the
+    second copy's next delivery, after the first one's outcome."""
     plan = Plan()
     primaries: dict[str, Message] = {}
     for raw in batch:
-        item = parse(raw, registry)
+        item = parse(raw, registry, fetched.get(raw.message_id) if fetched else None)
         if isinstance(item, Poison):
             log.warning("poison_message", message_id=raw.message_id,
                         request_id=item.request_id, reason=item.reason, error=item.error)
@@ -144,6 +152,8 @@ def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
     plan = Plan()
     for m, _ in res.completed:
         plan.ack(m.raw, m.type, "completed")
+        if m.pointer is not None:
+            plan.offloaded.append(m.pointer)
         if m.raw.sent_timestamp:
             plan.lags.append(max(0.0, res.committed_at - m.raw.sent_timestamp))
     for m in res.lost:

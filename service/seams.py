@@ -28,6 +28,16 @@ class ClaimResult:
     dead_lettered: bool = False  # this SQS message is already in dead_letters
 
 
+@dataclass(frozen=True, slots=True)
+class KnownPointer:
+    """The request an S3 payload pointer was claimed for (``modifications.payload_pointer``):
+    a redelivered pointer whose object is gone is that request's duplicate."""
+
+    request_id: str
+    request_type: str
+    status: str
+
+
 @dataclass(slots=True)
 class ApplyResult:
     """What one completing transaction did, message by message."""
@@ -146,6 +156,9 @@ class StoreSeam(Protocol):
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]: ...
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]: ...
+
+    async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
+        """The requests claimed with these payload pointers (``s3://bucket/key``)."""
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,

@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         dead_letter_retention_days: replayed dead letters are kept this long after replay.
         reconcile_retention_days: reconciliation runs and their discrepancies.
         worker_retention_days: ``workers`` rows this long after their last heartbeat.
+        s3_endpoint_url: S3 endpoint for payloads offloaded by the AWS extended clients
+            (default: ``sqs_endpoint_url``).
+        max_payload_bytes: largest S3-offloaded payload read (checked before reading);
+            a larger one is dead-lettered as ``payload_too_large``.
+        s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
+            committed and acked (default: keep it; expire it with a lifecycle rule).
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
             the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
@@ -91,6 +97,9 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tracing: bool = False
+    s3_endpoint_url: str | None = None
+    max_payload_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=2**31)
+    s3_delete_after_ack: bool = False
     results_topic_arn: str | None = None
     results_queue_url: str | None = None
     results_endpoint_url: str | None = None
@@ -147,10 +156,19 @@ class Settings(BaseSettings):
     def _results_endpoint(cls, v: str | None) -> str | None:
         return cls._endpoint(v)
 
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_endpoint(cls, v: str | None) -> str | None:
+        return cls._endpoint(v)
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v
+
+    @property
+    def effective_s3_endpoint_url(self) -> str | None:
+        return self.s3_endpoint_url or self.sqs_endpoint_url
 
     @property
     def results_enabled(self) -> bool:

@@ -35,12 +35,14 @@ class SqsQueue:
             "MaxNumberOfMessages": max_messages,
             "WaitTimeSeconds": wait_seconds,
             "MessageSystemAttributeNames": RECEIVE_ATTRIBUTES,
+            # Kept with the request (modifications.message_attributes) and shown to handlers.
+            "MessageAttributeNames": ["All"],
         }
         if visibility_timeout:
             kwargs["VisibilityTimeout"] = visibility_timeout
-        if tracing.enabled():
+        traced = tracing.enabled()
+        if traced:
             # The producer's trace context: W3C message attributes, X-Ray system attribute.
-            kwargs["MessageAttributeNames"] = ["All"]
             kwargs["MessageSystemAttributeNames"] = [*RECEIVE_ATTRIBUTES, "AWSTraceHeader"]
         try:
             resp = await self._client.receive_message(**kwargs)
@@ -59,8 +61,9 @@ class SqsQueue:
                     sent_timestamp=int(sent) / 1000.0 if sent else None,
                     group_id=attrs.get("MessageGroupId"),
                     attributes=_strings(m["MessageAttributes"])
-                    if "MessageAttributes" in m else None,
+                    if traced and "MessageAttributes" in m else None,
                     trace_header=attrs.get("AWSTraceHeader"),
+                    message_attributes=m.get("MessageAttributes"),
                 )
             )
         return out
@@ -126,10 +129,12 @@ def _strings(attributes: dict[str, Any]) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def sqs_client(
-    region: str, endpoint_url: str | None, max_pool_connections: int = 50
+    region: str, endpoint_url: str | None, max_pool_connections: int = 50,
+    session: Any = None,
 ) -> AsyncIterator[Any]:
-    """An aiobotocore SQS client; credentials come from the standard AWS chain."""
-    session = get_session()
+    """An aiobotocore SQS client; credentials come from the standard AWS chain (the daemon's
+    one ``session``, shared with its S3 client)."""
+    session = session or get_session()
     config = AioConfig(
         max_pool_connections=max_pool_connections,
         # A long poll holds the connection for up to 20 s.

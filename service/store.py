@@ -26,6 +26,7 @@ from service.seams import (
     ClaimResult,
     DeadLetter,
     HandlerCall,
+    KnownPointer,
     OutboxRow,
     OutboxSeam,
     SendRows,
@@ -217,6 +218,12 @@ class Store:
         async with connection(self.pool) as conn:
             return await claim(conn, messages, self.worker_id)
 
+    async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
+        async with connection(self.pool) as conn:
+            rows = await conn.fetch(Q["known_pointers"], list(uris))
+        return {r["payload_pointer"]: KnownPointer(r["request_id"], r["request_type"],
+                                                   r["status"]) for r in rows}
+
     async def apply(
         self,
         messages: Sequence[Message],
@@ -359,6 +366,8 @@ async def claim(
         [m.raw.message_id for m in ordered],
         [m.sent_at for m in ordered],
         owner,
+        [m.attributes_json for m in ordered],
+        [m.pointer.uri if m.pointer is not None else None for m in ordered],
     )
     return {
         r["request_id"]: ClaimResult(

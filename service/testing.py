@@ -25,6 +25,7 @@ from service.seams import (
     ClaimResult,
     DeadLetter,
     HandlerCall,
+    KnownPointer,
     OutboxRow,
     OutboxSeam,
     QueueSeam,
@@ -42,6 +43,7 @@ class _Stored:
     visible_at: float = 0.0
     receive_count: int = 0
     receipt: str = ""
+    message_attributes: dict[str, Any] | None = None
 
 
 class FakeQueue:
@@ -58,9 +60,11 @@ class FakeQueue:
         self.fail_delete_call = False
         self._arrived = asyncio.Event()
 
-    def send(self, body: str, group_id: str | None = None) -> str:
+    def send(self, body: str, group_id: str | None = None,
+             message_attributes: dict[str, Any] | None = None) -> str:
         mid = str(uuid.uuid4())
-        self.messages[mid] = _Stored(mid, body, group_id, time.time())
+        self.messages[mid] = _Stored(mid, body, group_id, time.time(),
+                                     message_attributes=message_attributes)
         self._seq[mid] = next(self._order)
         self._arrived.set()
         return mid
@@ -97,7 +101,7 @@ class FakeQueue:
             m.receive_count += 1
             m.receipt = uuid.uuid4().hex
             out.append(Received(m.message_id, m.receipt, m.body, m.receive_count,
-                                m.sent, m.group_id))
+                                m.sent, m.group_id, message_attributes=m.message_attributes))
         return out
 
     async def delete_batch(self, messages: Sequence[Received]) -> None:
@@ -141,6 +145,8 @@ class Row:
     owner: str
     sqs_message_id: str = ""
     result: Any = None
+    message_attributes: dict[str, Any] | None = None
+    payload_pointer: str | None = None
 
 
 @dataclass
@@ -267,14 +273,23 @@ class FakeStore:
                 out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
                                                 fails, dead_lettered=True)
             elif row is None:
-                self.db.rows[m.request_id] = Row(m.request_id, m.type, m.payload_sha256,
-                                                 "IN_PROGRESS", self.worker_id, m.raw.message_id)
+                self.db.rows[m.request_id] = Row(
+                    m.request_id, m.type, m.payload_sha256, "IN_PROGRESS", self.worker_id,
+                    m.raw.message_id, message_attributes=m.attributes,
+                    payload_pointer=m.pointer.uri if m.pointer is not None else None)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
                                                 fails)
             else:
                 out[m.request_id] = ClaimResult(m.request_id, False, row.status, row.type,
                                                 row.payload_sha256, row.owner, fails)
         return out
+
+    async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
+        self._check()
+        wanted = set(uris)
+        return {r.payload_pointer: KnownPointer(r.request_id, r.type, r.status)
+                for r in self.db.rows.values() if r.payload_pointer in wanted
+                and r.payload_pointer is not None}
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,

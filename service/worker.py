@@ -27,6 +27,7 @@ from service.settings import Settings
 from service.store import DB_ERRORS
 
 if TYPE_CHECKING:
+    from service.payloads import S3Payloads
     from service.results import Publisher
 
 log = structlog.get_logger("sqs_ingest.worker")
@@ -55,6 +56,7 @@ class Worker:
         visibility_timeout: int = 30,
         rng: Callable[[], float] = random.random,
         publisher: Publisher | None = None,
+        payloads: S3Payloads | None = None,
     ) -> None:
         self.s = settings
         self.queue = queue
@@ -76,7 +78,7 @@ class Worker:
         self.batches = BatchProcessor(
             queue, store, registry, self.policy, self.health, fifo=settings.is_fifo,
             visibility_timeout=visibility_timeout, handler_timeout=settings.handler_timeout,
-            fatal=self._fatal,
+            fatal=self._fatal, payloads=payloads,
         )
         self.maintenance = Maintenance(
             settings, queue, store, self.health, self.batches.holding, self.started_at,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.handlers.context import current_request_id, request_context
+from service.handlers.context import current_attributes, current_request_id, request_context
 from service.handlers.registry import (
     HandlerSpec,
     Registry,
@@ -21,6 +21,7 @@ __all__ = [
     "HandlerSpec",
     "Registry",
     "batch_handler",
+    "current_attributes",
     "current_request_id",
     "default_registry",
     "handler",

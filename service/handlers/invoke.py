@@ -26,7 +26,7 @@ class Invoker:
         assert spec is not None  # parse() guarantees it
         with (
             tracing.handler(m),
-            request_context(m.request_id),
+            request_context(m.request_id, m.attributes),
             structlog.contextvars.bound_contextvars(
                 message_id=m.raw.message_id, request_id=m.request_id),
         ):

@@ -3,14 +3,18 @@
 -- name: claim
 -- One statement per batch. Input is sorted by request_id so two workers claiming
 -- overlapping batches take the unique-index locks in the same order (no deadlock).
+-- $8: message attributes (jsonb text or NULL), $9: the S3 pointer the payload came from.
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[])
-        AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[],
+                         $8::text[], $9::text[])
+        AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at,
+             message_attributes, payload_pointer)
 ), ins AS (
     INSERT INTO modifications
-        (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at)
+        (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at,
+         message_attributes, payload_pointer)
     SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
-           sqs_message_id, $7, sent_at
+           sqs_message_id, $7, sent_at, message_attributes::jsonb, payload_pointer
       FROM input
      -- This very SQS message was already dead-lettered (its ack failed or was cut
      -- short): never apply it after the fact.
@@ -28,6 +32,11 @@ SELECT i.request_id,
   LEFT JOIN ins ON ins.request_id = i.request_id
   LEFT JOIN modifications m ON m.request_id = i.request_id
   LEFT JOIN retry_attempts r ON r.request_id = i.request_id
+
+-- name: known_pointers
+-- The requests claimed with these S3 payload pointers (partial index of migration 003).
+SELECT payload_pointer, request_id, request_type, status FROM modifications
+ WHERE payload_pointer = ANY($1::text[])
 
 -- name: fence
 -- Lock this worker's claims before running handlers: GC cannot delete a locked row,

@@ -46,6 +46,7 @@ class Backend(Protocol):
     async def statuses(self) -> dict[str, tuple[str, str]]: ...
     async def letters(self) -> dict[str, tuple[str, str]]: ...
     async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]: ...
+    async def carried(self, request_id: str) -> tuple[Any, str | None]: ...
 
 
 class FakeBackend:
@@ -69,6 +70,10 @@ class FakeBackend:
     async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]:
         return sorted((o.row.request_id, o.row.status, o.row.result, o.row.reason,
                        o.row.group_id, o.published_at is not None) for o in self.db.outbox)
+
+    async def carried(self, request_id: str) -> tuple[Any, str | None]:
+        r = self.db.rows[request_id]
+        return r.message_attributes, r.payload_pointer
 
 
 class RealBackend:
@@ -96,6 +101,11 @@ class RealBackend:
         rows = await self.pool.fetch("SELECT request_id, status, result, reason, group_id,"
                                      " published_at IS NOT NULL AS published FROM outbox")
         return sorted(tuple(r.values()) for r in rows)  # type: ignore[misc]
+
+    async def carried(self, request_id: str) -> tuple[Any, str | None]:
+        r = await self.pool.fetchrow("SELECT message_attributes, payload_pointer FROM modifications"
+                                     " WHERE request_id = $1", request_id)
+        return r["message_attributes"], r["payload_pointer"]
 
 
 @pytest.fixture(params=["fake", "postgres"])
@@ -364,3 +374,38 @@ async def test_fifo_lost_claim_blocks_only_what_follows_it(backend: Backend) -> 
     assert [m.request_id for m, _ in res.completed] == ["g1"]
     assert [m.request_id for m in res.lost] == ["g2"]
     assert [m.request_id for m in res.blocked] == ["g3"]
+
+
+def offloaded(rid: str, key: str, attributes: dict[str, Any] | None = None) -> Message:
+    """A message whose payload came from S3 (``key``), with message attributes."""
+    from service import attributes as attrs
+    from service.payloads import Pointer
+
+    m = msg(rid)
+    m.pointer = Pointer("payloads", key)
+    m.attributes = attrs.collect(attributes, None)
+    m.attributes_json = attrs.encode(m.attributes)
+    return m
+
+
+async def test_claim_keeps_attributes_and_the_pointer_it_was_read_from(backend: Backend) -> None:
+    a = await backend.store("w-a")
+    binary = {"DataType": "Binary", "BinaryValue": b"\x00\xff"}
+    await a.claim([offloaded("r1", "k1", {"tenant": {"DataType": "String", "StringValue": "acme"},
+                                          "blob": binary}), msg("r2")])
+    assert await backend.carried("r1") == (
+        {"tenant": {"DataType": "String", "StringValue": "acme"},
+         "blob": {"DataType": "Binary", "BinaryValue": "AP8="}}, "s3://payloads/k1")
+    assert await backend.carried("r2") == (None, None)  # inline, no attributes: NULLs
+
+
+async def test_known_pointers_name_the_request_and_its_status(backend: Backend) -> None:
+    a = await backend.store("w-a")
+    await a.claim([offloaded("r1", "k1"), offloaded("r2", "k2")])
+    await a.apply([offloaded("r1", "k1")], ok)
+    known = await a.known_pointers(["s3://payloads/k1", "s3://payloads/k2", "s3://payloads/k3"])
+    assert {uri: (k.request_id, k.request_type, k.status) for uri, k in known.items()} == {
+        "s3://payloads/k1": ("r1", "note", "COMPLETED"),
+        "s3://payloads/k2": ("r2", "note", "IN_PROGRESS"),
+    }
+    assert await a.known_pointers([]) == {}

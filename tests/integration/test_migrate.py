@@ -24,7 +24,7 @@ from tests.servers import Postgres
 
 #: What migrations/ holds, written out: a file that goes missing, is renamed or is not
 #: picked up by the loader must change this list (not be taken from the loader itself).
-EXPECTED = [(1, "core"), (2, "outbox")]
+EXPECTED = [(1, "core"), (2, "outbox"), (3, "attributes"), (4, "retention")]
 
 
 async def empty_db(pg: Postgres) -> str:

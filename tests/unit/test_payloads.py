@@ -1,0 +1,420 @@
+"""S3-offloaded payloads and message attributes, over the in-package fakes and a fake S3
+client (the real extended clients against LocalStack: tests/acceptance/test_extended_clients.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
+from pydantic import BaseModel
+
+from service import metrics
+from service.handlers import Registry, current_attributes
+from service.messages import Message, Received, parse
+from service.payloads import Fetched, Pointer, Refused, S3Payloads, Unreachable, find_pointer
+from service.testing import FakeQueue, FakeStore
+from service.worker import EXIT_ACK_FAILED, Worker
+from tests.unit.test_worker import settings, until
+
+CURRENT = "software.amazon.payloadoffloading.PayloadS3Pointer"
+LEGACY = "com.amazon.sqs.javamessaging.MessageS3Pointer"
+
+
+def pointer_body(key: str, cls: str = CURRENT, bucket: str = "payloads") -> str:
+    # What the Python extended clients write (json.dumps: ", " and ": " separators).
+    return json.dumps([cls, {"s3BucketName": bucket, "s3Key": key}])
+
+
+def sns(message: str, attributes: dict[str, Any] | None = None) -> str:
+    env: dict[str, Any] = {"Type": "Notification", "MessageId": "sns-1", "Message": message,
+                           "TopicArn": "arn:aws:sns:us-east-1:000000000000:t"}
+    if attributes is not None:
+        env["MessageAttributes"] = attributes
+    return json.dumps(env)
+
+
+def doc(rid: str, n: int = 1) -> bytes:
+    return json.dumps({"request_id": rid, "type": "note", "payload": {"n": n}}).encode()
+
+
+# -- recognising a pointer ---------------------------------------------------------------
+
+
+def test_pointer_forms_the_extended_clients_write() -> None:
+    assert find_pointer(pointer_body("k1")) == Pointer("payloads", "k1")
+    assert find_pointer(pointer_body("k1", LEGACY)) == Pointer("payloads", "k1")
+    java = f'["{CURRENT}",{{"s3BucketName":"payloads","s3Key":"a/b c"}}]'  # Jackson: compact
+    assert find_pointer(java) == Pointer("payloads", "a/b c")
+    inside = find_pointer(sns(pointer_body("k2")))
+    assert isinstance(inside, Pointer) and (inside.bucket, inside.key) == ("payloads", "k2")
+    assert inside.envelope is not None and inside.envelope["MessageId"] == "sns-1"
+
+
+@pytest.mark.parametrize("body", [
+    json.dumps({"request_id": "r", "type": "note", "payload": {"text": "S3Pointer"}}),
+    json.dumps(["some.other.S3Pointer", {"s3BucketName": "payloads", "s3Key": "k"}]),
+    json.dumps([CURRENT, {"s3BucketName": "payloads", "s3Key": "k"}, "extra"]),
+    sns(json.dumps({"request_id": "r", "type": "note", "payload": {"S3Pointer": 1}})),
+    "[not json S3Pointer",
+])
+def test_anything_else_is_parsed_as_usual(body: str) -> None:
+    assert find_pointer(body) is None
+
+
+@pytest.mark.parametrize("where,error", [
+    ("nope", "not an object"),
+    ({"s3BucketName": "Bad_Bucket", "s3Key": "k"}, "not a bucket name"),
+    ({"s3BucketName": "payloads", "s3Key": "k" * 1025}, "not an S3 key"),
+    ({"s3BucketName": "payloads", "s3Key": ""}, "not an S3 key"),
+    ({"s3BucketName": "payloads"}, "not an S3 key"),
+])
+def test_a_malformed_pointer_is_an_invalid_envelope(where: Any, error: str) -> None:
+    r = find_pointer(json.dumps([CURRENT, where]))
+    assert isinstance(r, Refused) and r.reason == "invalid_envelope" and error in r.error
+
+
+# -- fetching ---------------------------------------------------------------------------
+
+
+def client_error(code: str, status: int, op: str = "GetObject") -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+
+
+class FakeBody:
+    def __init__(self, data: bytes, truncate_at: int | None = None) -> None:
+        self.data = data[:truncate_at] if truncate_at is not None else data
+        self.pos = 0
+        self.reads = 0
+        self.closed = False
+
+    async def read(self, n: int) -> bytes:
+        self.reads += 1
+        chunk = self.data[self.pos:self.pos + n]
+        self.pos += len(chunk)
+        return chunk
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeS3:
+    """get_object / delete_object over a dict, with injected failures and a record of
+    concurrency and of the order of events (shared with the queue's acks)."""
+
+    def __init__(self, events: list[str] | None = None) -> None:
+        self.objects: dict[tuple[str, str], bytes] = {}
+        self.fail: dict[str, BaseException] = {}
+        self.truncate: dict[str, int] = {}
+        self.bodies: list[FakeBody] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.events = events if events is not None else []
+        self.latency = 0.0
+
+    def put(self, key: str, data: bytes, bucket: str = "payloads") -> None:
+        self.objects[(bucket, key)] = data
+
+    async def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.latency)
+            if Key in self.fail:
+                raise self.fail[Key]
+            if (Bucket, Key) not in self.objects:
+                raise client_error("NoSuchKey", 404)
+            data = self.objects[(Bucket, Key)]
+            body = FakeBody(data, self.truncate.get(Key))
+            self.bodies.append(body)
+            return {"Body": body, "ContentLength": len(data)}
+        finally:
+            self.in_flight -= 1
+
+    async def delete_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        self.events.append(f"s3-delete:{Key}")
+        self.objects.pop((Bucket, Key), None)
+        return {}
+
+
+def value(counter: Any, *labels: str) -> float:
+    return float((counter.labels(*labels) if labels else counter)._value.get())
+
+
+async def test_fetch_reads_the_object_after_checking_its_size() -> None:
+    s3 = FakeS3()
+    s3.put("k", b"x" * 200_000)
+    before = value(metrics.s3_fetched_bytes)
+    r = await S3Payloads(s3, max_bytes=200_000).fetch(Pointer("payloads", "k"))
+    assert isinstance(r, Fetched) and r.data == b"x" * 200_000
+    assert value(metrics.s3_fetched_bytes) - before == 200_000
+    assert s3.bodies[0].closed
+
+
+async def test_too_large_is_refused_without_reading_the_body() -> None:
+    s3 = FakeS3()
+    s3.put("big", b"x" * 5000)
+    before = value(metrics.s3_fetches, "too_large")
+    r = await S3Payloads(s3, max_bytes=4999).fetch(Pointer("payloads", "big"))
+    assert isinstance(r, Refused) and r.reason == "payload_too_large" and "5000 bytes" in r.error
+    assert s3.bodies[0].reads == 0 and s3.bodies[0].closed
+    assert value(metrics.s3_fetches, "too_large") - before == 1
+
+
+@pytest.mark.parametrize("exc,kind", [
+    (client_error("AccessDenied", 403), "access_denied"),
+    (client_error("SlowDown", 503), "throttled"),
+    (client_error("InternalError", 500), "server"),
+    (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), "network"),
+])
+async def test_other_s3_errors_are_transient_and_counted(exc: BaseException, kind: str) -> None:
+    s3 = FakeS3()
+    s3.fail["k"] = exc
+    before = value(metrics.s3_errors, kind)
+    r = await S3Payloads(s3, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
+    assert isinstance(r, Unreachable)
+    assert value(metrics.s3_errors, kind) - before == 1
+
+
+async def test_missing_object_and_truncated_stream() -> None:
+    s3 = FakeS3()
+    r = await S3Payloads(s3, max_bytes=1 << 20).fetch(Pointer("payloads", "gone"))
+    assert isinstance(r, Refused) and r.reason == "payload_object_missing"
+    assert "s3://payloads/gone" in r.error
+    s3.put("cut", b"y" * 100)
+    s3.truncate["cut"] = 60
+    assert isinstance(await S3Payloads(s3, 1 << 20).fetch(Pointer("payloads", "cut")), Unreachable)
+
+
+async def test_a_batch_s_pointers_are_fetched_concurrently() -> None:
+    s3 = FakeS3()
+    s3.latency = 0.05
+    batch = []
+    for i in range(10):
+        s3.put(f"k{i}", doc(f"r{i}"))
+        batch.append(Received(f"m{i}", "rh", pointer_body(f"k{i}")))
+    batch.append(Received("plain", "rh", doc("inline").decode()))
+    resolved = await S3Payloads(s3, 1 << 20).resolve(batch)
+    assert sorted(resolved) == [f"m{i}" for i in range(10)]  # the plain body costs no call
+    assert s3.max_in_flight == 10
+
+
+# -- parsing a fetched payload ----------------------------------------------------------
+
+
+class Note(BaseModel):
+    n: int
+
+
+def note_registry(seen: list[tuple[str, dict[str, Any]]] | None = None) -> Registry:
+    r = Registry()
+
+    async def note(p: Note, conn: Any) -> dict[str, int]:
+        if seen is not None:
+            from service.handlers import current_request_id
+
+            seen.append((current_request_id(), dict(current_attributes())))
+        return {"n": p.n}
+
+    r.register("note", Note, note)
+    return r
+
+
+def test_a_fetched_payload_hashes_like_the_same_payload_inline() -> None:
+    reg = note_registry()
+    inline = parse(Received("m1", "rh", doc("r1", 7).decode()), reg)
+    p = Pointer("payloads", "k")
+    raw = Received("m2", "rh", pointer_body("k"))
+    fetched = parse(raw, reg, Fetched(p, bytearray(doc("r1", 7))))
+    assert isinstance(inline, Message) and isinstance(fetched, Message)
+    assert fetched.payload_sha256 == inline.payload_sha256 and fetched.pointer == p
+    bad = parse(raw, reg, Fetched(p, b"{nope"))
+    assert not isinstance(bad, Message) and bad.reason == "invalid_json"
+    assert bad.raw.body == pointer_body("k")  # the dead letter keeps the pointer
+
+
+def test_attributes_of_the_message_and_of_its_sns_envelope() -> None:
+    reg = note_registry()
+    sqs_attrs = {"tenant": {"DataType": "String", "StringValue": "acme"},
+                 "raw": {"DataType": "Binary", "BinaryValue": b"\x01\x02"}}
+    m = parse(Received("m1", "rh", doc("r1").decode(), message_attributes=sqs_attrs), reg)
+    assert isinstance(m, Message) and m.attributes == {
+        "tenant": {"DataType": "String", "StringValue": "acme"},
+        "raw": {"DataType": "Binary", "BinaryValue": "AQI="}}
+    assert json.loads(m.attributes_json or "") == m.attributes
+    env = {"origin": {"Type": "String", "Value": "billing"},
+           "ExtendedPayloadSize": {"Type": "Number", "Value": "300000"},
+           "bad": {"Type": "String", "Value": "nul\x00"}, "junk": "x"}
+    m2 = parse(Received("m2", "rh", sns(doc("r2").decode(), env)), reg)
+    assert isinstance(m2, Message) and m2.attributes == {
+        "origin": {"DataType": "String", "StringValue": "billing"},
+        "ExtendedPayloadSize": {"DataType": "Number", "StringValue": "300000"},
+        "bad": {"DataType": "String", "StringValue": "nul\\x00"}}  # jsonb-storable
+    plain = parse(Received("m3", "rh", doc("r3").decode()), reg)
+    assert isinstance(plain, Message) and plain.attributes is None \
+        and plain.attributes_json is None
+
+
+# -- the worker with pointers -----------------------------------------------------------
+
+
+class Rig:
+    """A worker over FakeQueue + FakeStore + FakeS3."""
+
+    def __init__(self, *, max_bytes: int = 1 << 20, delete_after_ack: bool = False,
+                 fifo: bool = False) -> None:
+        self.events: list[str] = []
+        self.queue = AckRecordingQueue(self.events, fifo)
+        self.store = FakeStore()
+        self.s3 = FakeS3(self.events)
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        url = "http://127.0.0.1:1/q.fifo" if fifo else "http://127.0.0.1:1/q"
+        self.worker = Worker(settings(pollers=1, queue_url=url), self.queue, self.store,
+                             note_registry(self.seen), visibility_timeout=30, rng=lambda: 0.0,
+                             payloads=S3Payloads(self.s3, max_bytes, delete_after_ack))
+        self.task: asyncio.Task[int] | None = None
+
+    async def stop(self) -> int:
+        assert self.task is not None
+        self.worker.request_stop()
+        return await asyncio.wait_for(self.task, 20)
+
+
+class AckRecordingQueue(FakeQueue):
+    def __init__(self, events: list[str], fifo: bool = False) -> None:
+        super().__init__(fifo)
+        self.events = events
+
+    async def delete_batch(self, messages: Any) -> None:
+        await super().delete_batch(messages)
+        self.events.extend(f"ack:{m.message_id}" for m in messages)
+
+
+@pytest.fixture
+async def rig_factory() -> AsyncIterator[Any]:
+    rigs: list[Rig] = []
+
+    async def make(**kw: Any) -> Rig:
+        r = Rig(**kw)
+        r.task = asyncio.create_task(r.worker.run())
+        rigs.append(r)
+        return r
+
+    yield make
+    for r in rigs:
+        if r.task is not None and not r.task.done():
+            await r.stop()
+
+
+async def test_pointer_payload_is_applied_and_recorded_with_its_request(rig_factory: Any) -> None:
+    rig = await rig_factory()
+    rig.s3.put("k1", doc("r1", 5))
+    rig.queue.send(pointer_body("k1"))
+    rig.queue.send(sns(pointer_body("k1", LEGACY)))  # the same request through SNS: duplicate
+    await until(lambda: not rig.queue.messages, "drained")
+    row = rig.store.rows["r1"]
+    assert (row.status, row.result, row.payload_pointer) == ("COMPLETED", {"n": 5},
+                                                               "s3://payloads/k1")
+    assert not rig.store.dead and ("payloads", "k1") in rig.s3.objects  # kept by default
+
+
+async def test_missing_and_too_large_are_dead_letters_that_keep_the_pointer(
+    rig_factory: Any,
+) -> None:
+    rig = await rig_factory(max_bytes=2000)
+    rig.s3.put("big", b" " * 2001)
+    gone, big = pointer_body("gone"), sns(pointer_body("big"))
+    m_gone, m_big = rig.queue.send(gone), rig.queue.send(big)
+    await until(lambda: not rig.queue.messages, "drained")
+    assert {k: (d.reason, d.body) for k, d in rig.store.dead.items()} == {
+        m_gone: ("payload_object_missing", gone), m_big: ("payload_too_large", big)}
+    assert not rig.store.rows
+
+
+async def test_s3_failure_hands_back_with_backoff_then_completes(rig_factory: Any) -> None:
+    rig = await rig_factory()
+    rig.s3.put("k1", doc("r1"))
+    rig.s3.put("k2", doc("r2"))
+    rig.s3.fail["k1"] = client_error("InternalError", 500)
+    m1 = rig.queue.send(pointer_body("k1"))
+    rig.queue.send(pointer_body("k2"))
+    await until(lambda: "r2" in rig.store.rows and rig.store.rows["r2"].status == "COMPLETED",
+                "the neighbour completes")
+    await until(lambda: any(mid == m1 for mid, _ in rig.queue.visibility_calls), "handed back")
+    assert not rig.store.dead and m1 in rig.queue.messages
+    assert next(t for mid, t in rig.queue.visibility_calls if mid == m1) >= 1  # backoff, not 0
+    del rig.s3.fail["k1"]
+    await until(lambda: not rig.queue.messages, "retried and completed", timeout=15)
+    assert rig.store.rows["r1"].status == "COMPLETED" and not rig.store.dead
+
+
+async def test_opt_in_delete_comes_after_commit_and_ack_and_a_redelivery_is_a_duplicate(
+    rig_factory: Any,
+) -> None:
+    rig = await rig_factory(delete_after_ack=True)
+    rig.s3.put("k1", doc("r1", 3))
+    mid = rig.queue.send(pointer_body("k1"))
+    await until(lambda: ("payloads", "k1") not in rig.s3.objects, "object deleted")
+    assert rig.events.index(f"ack:{mid}") < rig.events.index("s3-delete:k1")
+    before = value(metrics.messages_processed, "note", "duplicate")
+    rig.queue.send(pointer_body("k1"))  # redelivered after the delete: object is gone
+    await until(lambda: not rig.queue.messages, "redelivery settled")
+    assert not rig.store.dead  # not payload_object_missing
+    assert value(metrics.messages_processed, "note", "duplicate") - before == 1
+
+
+async def test_opt_in_delete_never_happens_when_the_ack_failed(rig_factory: Any) -> None:
+    rig = await rig_factory(delete_after_ack=True)
+    rig.s3.put("k1", doc("r1"))
+    mid = rig.queue.send(pointer_body("k1"))
+    rig.queue.fail_delete_ids.add(mid)
+    assert rig.task is not None
+    assert await asyncio.wait_for(rig.task, 20) == EXIT_ACK_FAILED
+    assert rig.store.rows["r1"].status == "COMPLETED"
+    assert ("payloads", "k1") in rig.s3.objects  # its redelivery must still find it
+
+
+async def test_a_pointer_still_in_progress_waits_instead_of_dead_lettering(
+    rig_factory: Any,
+) -> None:
+    rig = await rig_factory()
+    other = FakeStore("other-worker", rig.store.db)
+    await other.register_worker("other")
+    m = parse(Received("mo", "rh", pointer_body("k1")), note_registry(),
+              Fetched(Pointer("payloads", "k1"), doc("r1")))
+    assert isinstance(m, Message)
+    await other.claim([m])  # another replica holds r1; its object is already gone
+    mid = rig.queue.send(pointer_body("k1"))
+    await until(lambda: any(i == mid for i, _ in rig.queue.visibility_calls), "deferred")
+    assert not rig.store.dead and mid in rig.queue.messages
+
+
+async def test_fifo_s3_failure_holds_back_the_rest_of_its_group(rig_factory: Any) -> None:
+    rig = await rig_factory(fifo=True)
+    for i in range(3):
+        rig.s3.put(f"k{i}", doc(f"r{i}"))
+    rig.s3.fail["k1"] = client_error("SlowDown", 503)
+    ids = [rig.queue.send(pointer_body(f"k{i}"), group_id="G") for i in range(3)]
+    await until(lambda: ids[2] in [i for i, _ in rig.queue.visibility_calls], "held back")
+    assert rig.store.rows["r0"].status == "COMPLETED"
+    assert "r2" not in rig.store.rows  # never applied ahead of r1
+
+
+async def test_handlers_see_the_attributes_of_their_own_message(rig_factory: Any) -> None:
+    rig = await rig_factory()
+    attrs = {"tenant": {"DataType": "String", "StringValue": "acme"}}
+    rig.s3.put("k3", doc("r3"))
+    # One batch: the handlers run one after the other in the same task.
+    rig.queue.send(doc("r1").decode(), message_attributes=attrs)
+    rig.queue.send(doc("r2").decode())
+    rig.queue.send(sns(pointer_body("k3"), {"origin": {"Type": "String", "Value": "billing"}}))
+    await until(lambda: not rig.queue.messages, "drained")
+    assert dict(rig.seen) == {
+        "r1": attrs, "r2": {},  # none: nothing left over from r1
+        "r3": {"origin": {"DataType": "String", "StringValue": "billing"}}}
+    assert rig.store.rows["r1"].message_attributes == attrs
+    assert rig.store.rows["r2"].message_attributes is None
