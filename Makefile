@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install services stop run test test-fast test-reconcile lint bench bench-reconcile image clean mutation fuzz test-investigations
+.PHONY: install services stop run test test-fast test-reconcile lint bench bench-growth bench-reconcile image clean mutation fuzz test-investigations
 
 install:
 	scripts/install.sh
@@ -50,6 +50,11 @@ mutation: install
 
 test-reconcile: install
 	$(PY) -m pytest -q tests/reconcile
+
+## make bench-growth [SIZES=0,1000000,10000000] [PRUNE_ROWS=1000000] [PRUNE_PAUSES=0,0.5]: the cost
+## curve as the tables grow, and pruning while the daemon drains (bench/cost_curve.py)
+bench-growth: install
+	$(PY) bench/cost_curve.py
 
 ## make bench-reconcile: 1,000,000 modifications in each of two databases, local[2]
 bench-reconcile: install

@@ -704,7 +704,12 @@ def schema_versions(dsn: str) -> list[int]:
     return asyncio.run(go())
 
 
-def db_window(dsn: str) -> tuple[int, float, float]:
+#: Rows of one drain: received since it started (an index range scan on received_at, so
+#: a database pre-filled with millions of rows — bench/cost_curve.py — is not counted).
+_SINCE = "status = 'COMPLETED' AND received_at >= to_timestamp($1)"
+
+
+def db_window(dsn: str, since: float = 0.0) -> tuple[int, float, float]:
     import asyncpg
 
     async def go() -> tuple[int, float, float]:
@@ -713,7 +718,7 @@ def db_window(dsn: str) -> tuple[int, float, float]:
             r = await conn.fetchrow(
                 "SELECT count(*) AS n, extract(epoch FROM min(completed_at)) AS first,"
                 " extract(epoch FROM max(completed_at)) AS last"
-                " FROM modifications WHERE status = 'COMPLETED'")
+                f" FROM modifications WHERE {_SINCE}", since)
             return int(r["n"]), float(r["first"] or 0), float(r["last"] or 0)
         finally:
             await conn.close()
@@ -750,15 +755,16 @@ def outbox_window(dsn: str, first_completed: float) -> dict[str, Any]:
 class CountPoller:
     """One connection kept open to count COMPLETED rows cheaply while the daemon drains."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, since: float = 0.0) -> None:
         import asyncpg
 
+        self.since = since
         self.loop = asyncio.new_event_loop()
         self.conn = self.loop.run_until_complete(asyncpg.connect(dsn))
 
     def completed(self) -> int:
         return int(self.loop.run_until_complete(self.conn.fetchval(
-            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'")))
+            f"SELECT count(*) FROM modifications WHERE {_SINCE}", self.since)))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.conn.close())
@@ -793,10 +799,16 @@ def phase_naive(env: Env, n: int) -> dict[str, Any]:
 def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = False,
                  soak: float = 0.0, soak_rate: int = 0,
                  tree: CodeTree | None = None,
-                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+                 extra_env: dict[str, str] | None = None,
+                 dsn: str | None = None,
+                 during: Any = None) -> dict[str, Any]:
     """One drain by ``python -m service run`` from this checkout, or from ``tree``;
-    ``extra_env`` adds INGEST_* settings for this drain only (the results phase)."""
-    dsn = new_database(env, env.next("daemon"), tree)
+    ``extra_env`` adds INGEST_* settings for this drain only (the results phase). ``dsn``:
+    drain into that (already migrated, maybe pre-filled) database instead of a fresh one;
+    ``during(res)`` is called once the daemon is ready (bench/cost_curve.py starts a prune
+    there)."""
+    since = time.time() - 1
+    dsn = dsn or new_database(env, env.next("daemon"), tree)
     url = create_queue(env.ls.url, env.next("daemon"))
     if not soak:
         preload(env.ls.url, url, label, n)
@@ -841,7 +853,9 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
                      str(proc.pid), "--rate", "200", "--gil", "--nonblocking", "--format", "raw",
                      "-o", str(profile_path)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            counter = CountPoller(dsn)
+            counter = CountPoller(dsn, since)
+            if during is not None:
+                during(res)
             try:
                 if soak:
                     res.update(_soak(env, url, port, proc.pid, s, counter, soak, soak_rate))
@@ -868,7 +882,7 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(60)
-        done, first, last = db_window(dsn)
+        done, first, last = db_window(dsn, since)
         if not soak:
             span = last - first
             lag = histogram(metrics, "sqs_ingest_message_lag_seconds")
