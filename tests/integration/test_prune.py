@@ -323,6 +323,19 @@ async def test_a_second_pruner_skips_the_pass(
     assert (await prune_once(database_url, settings(database_url)) or {})["modifications"] == 5
 
 
+async def test_the_daemon_prunes_periodically(
+    queue_url: str, sqs_endpoint: str, database_url: str, db: asyncpg.Connection,
+) -> None:
+    """The worker's own pass (INGEST_PRUNE_INTERVAL), its rows counted in the metric."""
+    await completed(db, 7, 40, "old")
+    before = value("modifications")
+    cfg = make_settings(queue_url, database_url, sqs_endpoint, prune_interval=0.5)
+    async with running_worker(cfg):
+        await eventually(lambda: db.fetchval(
+            "SELECT count(*) = 0 FROM modifications"), "the daemon's prune pass", 20)
+    assert value("modifications") - before == 7
+
+
 # -- dlq replay of a letter whose request is past the retention ---------------------------
 
 
