@@ -34,6 +34,7 @@ from service.plan import (
     settle_failures,
     triage,
 )
+from service.redrive import ReceiveLimit
 from service.retry import RetryPolicy
 from service.seams import DeadLetter, QueueSeam, StoreSeam
 from service.settings import SQS_MAX_VISIBILITY
@@ -61,6 +62,7 @@ class BatchProcessor:
         handler_timeout: float,
         fatal: Fatal,
         payloads: S3Payloads | None = None,
+        limit: ReceiveLimit | None = None,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -69,7 +71,9 @@ class BatchProcessor:
         self.fifo = fifo
         self.visibility_timeout = visibility_timeout
         self.invoker = Invoker(registry, handler_timeout)
-        self.executor = PlanExecutor(queue, store)
+        # The live dead-letter limit: maintenance updates it from the queue's RedrivePolicy.
+        self.limit = limit or ReceiveLimit(policy.max_failures, fifo)
+        self.executor = PlanExecutor(queue, store, self.limit)
         self.fatal = fatal
         self.payloads = payloads  # S3-offloaded payloads (None: pointers are not resolved)
         # request_ids claimed by batches in flight (the own-leak GC spares them)
@@ -105,10 +109,10 @@ class BatchProcessor:
             raise  # exit 3 (run): never handled like a failed batch
         except DatabaseUnavailable as exc:
             self.health.down(exc)
-            await self._give_back(flight, self.policy.hand_back())
+            await self._give_back(flight, self.policy.hand_back(), deferral=True)
         except asyncio.CancelledError:
             # Shielded: a late extension must not re-hide what we release.
-            await asyncio.shield(self._give_back(flight, 0))
+            await asyncio.shield(self._give_back(flight, 0, deferral=True))
             raise
         except TransientError as exc:
             log.warning("batch_retry_later", error=str(exc))
@@ -117,9 +121,9 @@ class BatchProcessor:
             log.exception("batch_failed", error=repr(exc))
             await self._give_back(flight, self.policy.hand_back())
 
-    async def _give_back(self, flight: InFlight, delay: int) -> None:
+    async def _give_back(self, flight: InFlight, delay: int, deferral: bool = False) -> None:
         await flight.stop_extender()
-        await self.executor.give_back(flight, delay, self.health.is_up)
+        await self.executor.give_back(flight, delay, self.health.is_up, deferral)
 
     async def _settle_part(
         self, flight: InFlight, part: list[Received], bisecting: bool = False
@@ -150,8 +154,12 @@ class BatchProcessor:
     def _worth_bisecting(self, exc: BaseException, left: list[Received]) -> bool:
         return (
             isinstance(exc, DATA_ERRORS)
-            or any(self.policy.repeat_offender(m.receive_count) for m in left)
+            or any(self._offender(m.receive_count) for m in left)
         )
+
+    def _offender(self, receive_count: int) -> bool:
+        # Far beyond the retry limit, or on the last receive before SQS's own redrive.
+        return self.policy.repeat_offender(receive_count) or self.limit.last_receive(receive_count)
 
     async def _unclaim(self, flight: InFlight, part: list[Received]) -> None:
         """Give back the claims made for ``part`` so that its halves can claim afresh."""
@@ -167,7 +175,7 @@ class BatchProcessor:
         values, or if it has failed far beyond the retry limit; else hand it back."""
         if isinstance(exc, DATA_ERRORS):
             reason = "rejected_by_database"
-        elif self.policy.repeat_offender(m.receive_count):
+        elif self._offender(m.receive_count):
             reason = "processing_error"
         else:
             log.warning("batch_retry_later", message_id=m.message_id, error=describe(exc))
@@ -235,14 +243,15 @@ class BatchProcessor:
                 plan.letters = []
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
-        with tracing.step("settle", [*plan.acks, *(r for r, _ in plan.releases)]):
+        back = [*plan.releases, *plan.deferrals]
+        with tracing.step("settle", [*plan.acks, *(r for r, _ in back)]):
             await self.executor.carry_out(plan, flight)
         if plan.offloaded and self.payloads is not None and self.payloads.delete_after_ack:
             await self.payloads.delete(plan.offloaded)  # committed and acked: opt-in cleanup
         if self.fifo:
             # Within a bisection, a message handed back for any reason holds back the later
             # messages of its group in the halves still to come.
-            flight.held_groups.update(r.group_id for r, _ in plan.releases if r.group_id)
+            flight.held_groups.update(r.group_id for r, _ in back if r.group_id)
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):
@@ -254,8 +263,14 @@ class BatchProcessor:
             await self.store.release(res.blocked)
         if res.failed:
             failures = [(m, describe(exc)) for m, exc in res.failed]
-            counts = await self.store.record_failures(failures, self.policy.max_failures)
-            plan.merge(settle_failures(failures, counts, self.policy))
+            # On SQS's last receive a failure is final whatever the count: the store
+            # dead-letters those at one failure (ReceiveLimit.exhausted, service.redrive).
+            last = [f for f in failures if self.limit.last_receive(f[0].raw.receive_count)]
+            counts = await self.store.record_failures(
+                [f for f in failures if f not in last], self.limit.max_failures)
+            if last:
+                counts.update(await self.store.record_failures(last, 1))
+            plan.merge(settle_failures(failures, counts, self.policy, self.limit))
         return plan
 
     async def _extend_visibility(self, flight: InFlight) -> None:

@@ -25,6 +25,7 @@ def _remember_signal(signum: int, _frame: object) -> None:
 
 EXIT_CONFIG = 2
 NO_QUEUE = "http://no-queue.invalid/not-configured"
+NO_DATABASE = "postgresql://no-database.invalid/not-configured"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--all", action="store_true")
     rp.add_argument("--reason")
     rp.add_argument("--dry-run", action="store_true")
+    rd = sub.add_parser("redrive", help="move the queue's own SQS dead-letter queue (its "
+                        "RedrivePolicy) back to the queue, and report progress")
+    rd.add_argument("--dry-run", action="store_true")
     sub.add_parser("reconcile", help="run the PySpark reconciliation (see --help)",
                    add_help=False)
     pr = sub.add_parser("produce", help="send sample messages (dev tool)")
@@ -129,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         from service import dlq
 
         return _run_async(dlq.main(settings, args))
+    if args.command == "redrive":
+        from service import redrive
+
+        return _run_async(redrive.main(settings, args.dry_run))
     if args.command == "produce":
         from service import produce
 
@@ -146,6 +154,8 @@ def _settings_for(args: argparse.Namespace) -> Settings:
     )
     if db_only and not os.environ.get("INGEST_QUEUE_URL"):
         return load_settings(queue_url=NO_QUEUE)
+    if args.command == "redrive" and not os.environ.get("INGEST_DATABASE_URL"):
+        return load_settings(database_url=NO_DATABASE)  # SQS calls only
     return load_settings()
 
 

@@ -14,6 +14,7 @@ import structlog
 from service import metrics
 from service.messages import Message, Received
 from service.plan import Plan
+from service.redrive import ReceiveLimit
 from service.seams import QueueSeam, StoreSeam
 from service.store import DB_ERRORS
 
@@ -53,9 +54,12 @@ class InFlight:
 class PlanExecutor:
     """Applies plans: the only place that deletes messages or changes their visibility."""
 
-    def __init__(self, queue: QueueSeam, store: StoreSeam) -> None:
+    def __init__(
+        self, queue: QueueSeam, store: StoreSeam, limit: ReceiveLimit | None = None
+    ) -> None:
         self.queue = queue
         self.store = store
+        self.limit = limit  # the queue's RedrivePolicy as last read (service.redrive)
 
     async def carry_out(self, plan: Plan, flight: InFlight) -> None:
         """Letters durable first, then acks (AckFailed propagates: exit 3), then releases."""
@@ -79,6 +83,9 @@ class PlanExecutor:
         if plan.releases:
             await self.change_visibility(plan.releases)
             flight.resolve([r for r, _ in plan.releases])
+        if plan.deferrals:
+            await self.hand_back(plan.deferrals)
+            flight.resolve([r for r, _ in plan.deferrals])
 
     async def change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
         failed = await self.queue.change_visibility_batch(changes)
@@ -87,9 +94,35 @@ class PlanExecutor:
             metrics.sqs_errors.labels("change_visibility").inc(len(failed))
             log.warning("change_visibility_failed", message_ids=failed)
 
-    async def give_back(self, flight: InFlight, delay: int, db_up: bool) -> None:
+    async def hand_back(self, changes: Sequence[tuple[Received, int]]) -> None:
+        """Messages deferred through no fault of their own: visible again after their delay,
+        except those a hand-back would bring too close to the queue's maxReceiveCount: a
+        fresh copy replaces each of them (``ReceiveLimit.must_requeue``). A copy that
+        could not be sent falls back to the plain hand-back."""
+        limit = self.limit
+        fresh = [(m, d) for m, d in changes if limit is not None
+                 and limit.must_requeue(m.receive_count)]
+        plain = [(m, d) for m, d in changes if limit is None
+                 or not limit.must_requeue(m.receive_count)]
+        if fresh:
+            failed = set(await self.queue.requeue(fresh))
+            if len(failed) < len(fresh):
+                metrics.requeued.inc(len(fresh) - len(failed))
+                log.info("requeued_fresh_copies", count=len(fresh) - len(failed),
+                         receive_counts=sorted({m.receive_count for m, _ in fresh}))
+            if failed:
+                metrics.sqs_errors.labels("requeue").inc(len(failed))
+                log.warning("requeue_failed", message_ids=sorted(failed))
+                plain += [(m, d) for m, d in fresh if m.message_id in failed]
+        if plain:
+            await self.change_visibility(plain)
+
+    async def give_back(
+        self, flight: InFlight, delay: int, db_up: bool, deferral: bool = False
+    ) -> None:
         """What a batch could not finish: its claims released, its messages visible after
-        ``delay``."""
+        ``delay`` (``deferral``: not the messages' fault — an outage, a shutdown — so
+        ``hand_back`` decides between a hand-back and a fresh copy)."""
         if not flight.unresolved:
             return
         mine = flight.mine()
@@ -100,7 +133,8 @@ class PlanExecutor:
                 # The periodic own-leak GC releases them once the database is back.
                 log.warning("release_failed", error=str(exc))
         try:
-            await self.change_visibility([(m, delay) for m in flight.unresolved.values()])
+            changes = [(m, delay) for m in flight.unresolved.values()]
+            await (self.hand_back(changes) if deferral else self.change_visibility(changes))
         except Exception as exc:  # the message comes back by itself after the timeout
             log.warning("abandon_visibility_failed", error=repr(exc))
         flight.unresolved.clear()

@@ -18,6 +18,7 @@ from service import metrics
 from service.dbhealth import DatabaseHealth
 from service.errors import TransientError
 from service.messages import Received
+from service.redrive import ReceiveLimit
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 from service.store import DB_ERRORS
@@ -40,6 +41,7 @@ class Maintenance:
         holding: collections.Counter[str],
         started_at: float,
         publisher: Publisher | None = None,
+        limit: ReceiveLimit | None = None,
     ) -> None:
         self.s = settings
         self.queue = queue
@@ -48,6 +50,8 @@ class Maintenance:
         self.holding = holding  # request_ids claimed by batches in flight
         self.started_at = started_at
         self.publisher = publisher
+        # The queue's RedrivePolicy, refreshed with the gauges (service.redrive).
+        self.limit = limit or ReceiveLimit(settings.max_receive_count, settings.is_fifo)
         self.sqs_ok = True  # the last SQS call (receive or GetQueueAttributes) worked
         self._oldest_sent: float | None = None
         self._last_oldest_sent: float | None = None
@@ -132,16 +136,22 @@ class Maintenance:
 
     async def _queue_attributes_loop(self) -> None:
         while True:
-            try:
-                attrs = await self.queue.attributes()
-                self.sqs_ok = True
-            except TransientError as exc:
-                self.sqs_ok = False
-                metrics.sqs_errors.labels("get_queue_attributes").inc()
-                log.warning("queue_attributes_failed", error=str(exc))
-            else:
-                self._set_gauges(attrs)
             await asyncio.sleep(self.s.queue_attributes_interval)
+            await self.read_queue_attributes()
+
+    async def read_queue_attributes(self) -> None:
+        """One GetQueueAttributes: the depth gauges and the RedrivePolicy (the worker calls
+        it once before its pollers start, so the first receive already obeys the policy)."""
+        try:
+            attrs = await self.queue.attributes()
+            self.sqs_ok = True
+        except TransientError as exc:
+            self.sqs_ok = False
+            metrics.sqs_errors.labels("get_queue_attributes").inc()
+            log.warning("queue_attributes_failed", error=str(exc))
+        else:
+            self.limit.update(attrs)
+            self._set_gauges(attrs)
 
     def _set_gauges(self, attrs: dict[str, str]) -> None:
         visible = int(attrs.get("ApproximateNumberOfMessages", "0"))

@@ -55,6 +55,15 @@ contention_deferrals = Counter(
     P + "contention_deferrals", "Messages deferred because another live owner holds the claim",
     registry=REGISTRY,
 )
+requeued = Counter(
+    P + "requeued", "Messages deferred through no fault of their own and sent again as a fresh "
+    "copy, so the queue's RedrivePolicy does not count the deferral (service.redrive)",
+    registry=REGISTRY,
+)
+receive_limit = Gauge(
+    P + "receive_limit", "Handler failures before a message is dead-lettered: "
+    "INGEST_MAX_RECEIVE_COUNT, lowered by the queue's RedrivePolicy", registry=REGISTRY,
+)
 batch_duration = Histogram(
     P + "batch_duration_seconds",
     "Receive-to-ack time of one batch",

@@ -16,6 +16,7 @@ from service.handlers import Registry
 from service.limits import storable
 from service.messages import Message, Poison, Received, parse
 from service.payloads import Fetched, Pointer
+from service.redrive import ReceiveLimit
 from service.retry import RetryPolicy
 from service.seams import ApplyResult, ClaimResult, DeadLetter
 
@@ -31,6 +32,9 @@ class Plan:
     letters: list[DeadLetter] = field(default_factory=list)  # commit before any ack
     acks: list[Received] = field(default_factory=list)  # delete once the letters are committed
     releases: list[tuple[Received, int]] = field(default_factory=list)  # visibility, last
+    # Handed back through no fault of their own (contention, FIFO group blocked): near the
+    # queue's maxReceiveCount these are sent again as fresh copies (service.redrive).
+    deferrals: list[tuple[Received, int]] = field(default_factory=list)
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (type label, outcome)
     # S3 objects of completed requests: deleted after the ack (INGEST_S3_DELETE_AFTER_ACK).
     offloaded: list[Pointer] = field(default_factory=list)
@@ -50,10 +54,14 @@ class Plan:
     def release(self, received: Received, delay: int) -> None:
         self.releases.append((received, delay))
 
+    def defer(self, received: Received, delay: int) -> None:
+        self.deferrals.append((received, delay))
+
     def merge(self, other: Plan) -> Plan:
         self.letters += other.letters
         self.acks += other.acks
         self.releases += other.releases
+        self.deferrals += other.deferrals
         self.outcomes += other.outcomes
         self.offloaded += other.offloaded
         self.dead_letter_reasons += other.dead_letter_reasons
@@ -88,7 +96,7 @@ def triage(
                 else INVALID_TYPE_LABEL
             plan.letter(raw, DeadLetter.of_poison(item), label)
         elif item.request_id in primaries:
-            plan.release(raw, policy.contention())
+            plan.defer(raw, policy.contention())
         else:
             primaries[item.request_id] = item
     return Triage(list(primaries.values()), plan)
@@ -115,7 +123,7 @@ def classify(
         c = claims[m.request_id]
         group = m.raw.group_id if fifo else None
         if group is not None and group in blocked_groups:
-            out.plan.release(m.raw, 0)
+            out.plan.defer(m.raw, 0)
             if c.claimed:
                 out.unclaim.append(m)
         elif c.dead_lettered:
@@ -139,7 +147,7 @@ def classify(
         else:
             # IN_PROGRESS under another owner (or committed after our snapshot): come back
             # after it finished. Not a failure: does not count towards the limit.
-            out.plan.release(m.raw, policy.contention())
+            out.plan.defer(m.raw, policy.contention())
             out.plan.contention += 1
             if group is not None:
                 blocked_groups.add(group)
@@ -158,9 +166,9 @@ def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
             plan.lags.append(max(0.0, res.committed_at - m.raw.sent_timestamp))
     for m in res.lost:
         log.warning("claim_lost", message_id=m.raw.message_id, request_id=m.request_id)
-        plan.release(m.raw, policy.contention())
+        plan.defer(m.raw, policy.contention())
     for m in res.blocked:
-        plan.release(m.raw, 0)
+        plan.defer(m.raw, 0)
     return plan
 
 
@@ -170,14 +178,16 @@ def describe(exc: BaseException) -> str:
 
 
 def settle_failures(
-    failures: Sequence[tuple[Message, str]], counts: Mapping[str, int], policy: RetryPolicy
+    failures: Sequence[tuple[Message, str]], counts: Mapping[str, int], policy: RetryPolicy,
+    limit: ReceiveLimit | None = None,
 ) -> Plan:
-    """A handler failure is retried after a backoff; at the limit it is dead-lettered
-    (already committed by ``record_failures``) and acked."""
+    """A handler failure is retried after a backoff; at the limit — the live one, lowered by
+    the queue's RedrivePolicy, or SQS's last receive — it is dead-lettered (already
+    committed by ``record_failures``) and acked."""
     plan = Plan()
     for m, err in failures:
         n = counts[m.request_id]
-        if policy.exhausted(n):
+        if limit.exhausted(n, m.raw.receive_count) if limit else policy.exhausted(n):
             plan.ack(m.raw, m.type, "dead_lettered")
             plan.dead_letter_reasons.append("max_receives_exceeded")
             log.error("dead_lettered_after_retries", message_id=m.raw.message_id,

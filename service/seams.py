@@ -132,6 +132,10 @@ class QueueSeam(Protocol):
     ) -> list[str]:
         """Set visibilities; returns the message ids whose change failed."""
 
+    async def requeue(self, changes: Sequence[tuple[Received, int]]) -> list[str]:
+        """Replace messages by fresh copies visible after their delays (service.redrive);
+        returns the message ids not replaced."""
+
     async def attributes(self) -> dict[str, str]: ...
 
 

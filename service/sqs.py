@@ -106,6 +106,37 @@ class SqsQueue:
             failed_ids.extend(chunk[int(f["Id"])][0].message_id for f in resp.get("Failed") or [])
         return failed_ids
 
+    async def requeue(self, changes: Sequence[tuple[Received, int]]) -> list[str]:
+        """Replace each message by a fresh copy (new receive count), visible after its delay;
+        the original is deleted only once its copy was accepted. Returns the ids of the
+        messages not replaced (copy refused, or original not deleted: then both exist, a
+        duplicate the idempotent claim absorbs).
+
+        FIFO: same MessageGroupId, and a deduplication id of its own — with content-based
+        deduplication the identical body would otherwise be dropped as a duplicate of the
+        original for five minutes, after the original was deleted. Standard queues keep the
+        delay with DelaySeconds (at most 15 minutes); FIFO queues have no per-message delay.
+        """
+        failed_ids: list[str] = []
+        fifo = self.queue_url.rstrip("/").endswith(".fifo")
+        for start in range(0, len(changes), 10):
+            chunk = changes[start : start + 10]
+            entries = [_copy_entry(str(i), m, delay, fifo) for i, (m, delay) in enumerate(chunk)]
+            try:
+                resp = await self._client.send_message_batch(
+                    QueueUrl=self.queue_url, Entries=entries)
+            except (ClientError, BotoCoreError):
+                failed_ids.extend(m.message_id for m, _ in chunk)
+                continue
+            refused = {int(f["Id"]) for f in resp.get("Failed") or []}
+            failed_ids.extend(chunk[i][0].message_id for i in sorted(refused))
+            sent = [m for i, (m, _) in enumerate(chunk) if i not in refused]
+            try:
+                await self.delete_batch(sent)
+            except AckFailed as exc:
+                failed_ids.extend(exc.message_ids)
+        return failed_ids
+
     async def attributes(self) -> dict[str, str]:
         try:
             resp = await self._client.get_queue_attributes(
@@ -121,6 +152,25 @@ class SqsQueue:
             kwargs["MessageGroupId"] = group_id
         resp = await self._client.send_message(**kwargs)
         return str(resp["MessageId"])
+
+
+def _copy_entry(entry_id: str, m: Received, delay: int, fifo: bool) -> dict[str, Any]:
+    """A SendMessageBatch entry that carries ``m`` again: body byte for byte, its message
+    attributes as received (types and binary values too), the X-Ray trace header."""
+    entry: dict[str, Any] = {"Id": entry_id, "MessageBody": m.body}
+    if m.message_attributes:
+        entry["MessageAttributes"] = {
+            k: {f: v[f] for f in ("DataType", "StringValue", "BinaryValue") if f in v}
+            for k, v in m.message_attributes.items()}
+    if m.trace_header:
+        entry["MessageSystemAttributes"] = {
+            "AWSTraceHeader": {"DataType": "String", "StringValue": m.trace_header}}
+    if fifo:
+        entry["MessageGroupId"] = m.group_id or "sqs-ingest-requeue"
+        entry["MessageDeduplicationId"] = f"requeue-{m.message_id}"[:128]
+    elif delay > 0:
+        entry["DelaySeconds"] = min(int(delay), 900)
+    return entry
 
 
 def _strings(attributes: dict[str, Any]) -> dict[str, str]:

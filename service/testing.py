@@ -59,6 +59,10 @@ class FakeQueue:
         self.fail_delete_ids: set[str] = set()  # entries answered in Failed
         self.fail_delete_call = False
         self._arrived = asyncio.Event()
+        # SQS redrive: past this many receives a message moves to ``dead_lettered_by_sqs``.
+        self.max_receive_count: int | None = None
+        self.dead_lettered_by_sqs: list[str] = []
+        self.requeued: list[str] = []  # originals replaced by a fresh copy
 
     def send(self, body: str, group_id: str | None = None,
              message_attributes: dict[str, Any] | None = None) -> str:
@@ -97,6 +101,10 @@ class FakeQueue:
                 break
             if m.visible_at > now or (self.fifo and m.group_id in busy_groups):
                 continue
+            if self.max_receive_count is not None and m.receive_count >= self.max_receive_count:
+                del self.messages[m.message_id]
+                self.dead_lettered_by_sqs.append(m.body)
+                continue
             m.visible_at = now + vt
             m.receive_count += 1
             m.receipt = uuid.uuid4().hex
@@ -126,8 +134,24 @@ class FakeQueue:
             self.visibility_calls.append((m.message_id, t))
         return failed
 
+    async def requeue(self, changes: Sequence[tuple[Received, int]]) -> list[str]:
+        failed = []
+        for m, delay in changes:
+            stored = self.messages.get(m.message_id)
+            if stored is None or stored.receipt != m.receipt_handle:
+                failed.append(m.message_id)
+                continue
+            copy = self.send(m.body, m.group_id, m.message_attributes)
+            self.messages[copy].visible_at = time.monotonic() + (0 if self.fifo else delay)
+            del self.messages[m.message_id]
+            self.requeued.append(m.message_id)
+        return failed
+
     async def attributes(self) -> dict[str, str]:
-        return {
+        redrive = {} if self.max_receive_count is None else {"RedrivePolicy": (
+            '{"deadLetterTargetArn":"arn:aws:sqs:us-east-1:000000000000:dlq",'
+            f'"maxReceiveCount":{self.max_receive_count}}}')}
+        return {**redrive,
             "ApproximateNumberOfMessages": str(len(self.visible())),
             "ApproximateNumberOfMessagesNotVisible": str(len(self.messages) - len(self.visible())),
             "VisibilityTimeout": "30",

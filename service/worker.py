@@ -21,6 +21,7 @@ from service.handlers import Registry
 from service.maintenance import Maintenance
 from service.messages import Received
 from service.plan import INVALID_TYPE_LABEL
+from service.redrive import ReceiveLimit
 from service.retry import Backoff, RetryPolicy, wait_any
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
@@ -74,15 +75,18 @@ class Worker:
         self._batches: set[asyncio.Task[None]] = set()
         self._background: list[asyncio.Task[None]] = []
         self.policy = RetryPolicy.from_settings(settings, rng)
+        # INGEST_MAX_RECEIVE_COUNT lowered by the queue's RedrivePolicy: read by the batch
+        # path, kept current by maintenance (service.redrive).
+        self.limit = ReceiveLimit(settings.max_receive_count, settings.is_fifo)
         self.health = DatabaseHealth(store, self._stop, lambda: self.maintenance.gc_once())
         self.batches = BatchProcessor(
             queue, store, registry, self.policy, self.health, fifo=settings.is_fifo,
             visibility_timeout=visibility_timeout, handler_timeout=settings.handler_timeout,
-            fatal=self._fatal, payloads=payloads,
+            fatal=self._fatal, payloads=payloads, limit=self.limit,
         )
         self.maintenance = Maintenance(
             settings, queue, store, self.health, self.batches.holding, self.started_at,
-            publisher,
+            publisher, self.limit,
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -115,6 +119,7 @@ class Worker:
     async def run(self) -> int:
         metrics.prime(self.registry.types())
         await self.maintenance.gc_once(startup=True)
+        await self.maintenance.read_queue_attributes()  # the RedrivePolicy, before any receive
         self._pollers = [
             asyncio.create_task(self._poll_loop(i), name=f"poller-{i}")
             for i in range(self.s.pollers)
@@ -252,13 +257,13 @@ class Worker:
         if not self.health.is_up and not self.stopping:
             # The database went away while this poll was in flight.
             self._slots.release()
-            await self.batches.executor.change_visibility(
+            await self.batches.executor.hand_back(
                 [(m, self.policy.hand_back()) for m in batch])
             return True
         if self.stopping:
             # A poll that was in flight at SIGTERM: hand its messages straight back.
             self._slots.release()
-            await self.batches.executor.change_visibility([(m, 0) for m in batch])
+            await self.batches.executor.hand_back([(m, 0) for m in batch])
             log.info("released_after_stop", count=len(batch))
             return False
         task = asyncio.create_task(self.batches.run(batch), name=f"batch-{batch[0].message_id}")

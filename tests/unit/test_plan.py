@@ -64,7 +64,7 @@ def test_triage_letters_poison_and_holds_back_a_twin() -> None:
     assert t.plan.outcomes == [(INVALID_TYPE_LABEL, "dead_lettered"),
                                (INVALID_TYPE_LABEL, "dead_lettered")]
     assert t.plan.dead_letter_reasons == ["invalid_json", "unknown_type"]
-    assert [(r.message_id, d) for r, d in t.plan.releases] == [("m3", 2)]  # contention delay
+    assert [(r.message_id, d) for r, d in t.plan.deferrals] == [("m3", 2)]  # contention delay
 
 
 def test_classify_each_claim_outcome() -> None:
@@ -86,7 +86,7 @@ def test_classify_each_claim_outcome() -> None:
     assert [(d.sqs_message_id, d.reason) for d in c.plan.letters] == [
         ("m3", "idempotency_key_reused")]
     assert c.plan.dead_letter_reasons == ["idempotency_key_reused"]
-    assert [(r.message_id, d) for r, d in c.plan.releases] == [("m4", 2)]
+    assert [(r.message_id, d) for r, d in c.plan.deferrals] == [("m4", 2)]
     assert c.plan.contention == 1
 
 
@@ -106,7 +106,7 @@ def test_fifo_wait_holds_back_the_rest_of_the_group_and_gives_claims_back() -> N
     c = classify(ms, claims, POLICY, fifo=True)
     assert [m.request_id for m in c.to_apply] == ["b1"]
     assert [m.request_id for m in c.unclaim] == ["a2"]
-    assert [(r.message_id, d) for r, d in c.plan.releases] == [("m1", 2), ("m2", 0), ("m4", 0)]
+    assert [(r.message_id, d) for r, d in c.plan.deferrals] == [("m1", 2), ("m2", 0), ("m4", 0)]
     assert c.plan.acks == []  # a3's duplicate waits behind a1 too
     # The same batch on a standard queue: no group holds anything back.
     s = classify(ms, claims, POLICY, fifo=False)
@@ -123,7 +123,7 @@ def test_settle_acks_completed_and_hands_back_lost_and_blocked() -> None:
     assert [a.message_id for a in plan.acks] == ["m1"]
     assert plan.outcomes == [("note", "completed")]
     assert plan.lags == [2.5]
-    assert [(r.message_id, d) for r, d in plan.releases] == [("m2", 2), ("m3", 0)]
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("m2", 2), ("m3", 0)]
 
 
 def test_settle_failures_backs_off_then_acks_the_exhausted() -> None:
