@@ -63,9 +63,13 @@ IAM_ALLOWED_ACTIONS = {
     "sqs:GetQueueAttributes",
     "sqs:SendMessage",  # dlq replay; results to a queue (SendMessageBatch)
     "sns:Publish",  # results to a topic (also authorizes PublishBatch)
+    "s3:GetObject",  # payloads offloaded by the AWS extended clients
+    "s3:ListBucket",  # so that S3 answers 404 (payload_object_missing), not 403, for a gone object
 }
 QUEUE_ARN = re.compile(r"^arn:aws[a-z-]*:sqs:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,80}(\.fifo)?$")
 TOPIC_ARN = re.compile(r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
+#: One payload bucket (ListBucket) or the objects in it (GetObject), never every bucket.
+BUCKET_ARN = re.compile(r"^arn:aws[a-z-]*:s3:::[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^*]*\*?)?$")
 
 
 # ------------------------------------------------------------------- helpers
@@ -465,7 +469,7 @@ def test_iam_policy_least_privilege() -> None:
         res = [st["Resource"]] if isinstance(st["Resource"], str) else st["Resource"]
         services = {a.split(":")[0] for a in acts}
         assert len(services) == 1, f"one service per statement: {acts}"
-        arn = TOPIC_ARN if services == {"sns"} else QUEUE_ARN
+        arn = {"sns": TOPIC_ARN, "s3": BUCKET_ARN}.get(services.pop(), QUEUE_ARN)
         for r in res:
             assert arn.match(r), f"resource is not a single queue/topic ARN: {r}"
         assert all("*" not in a for a in acts), acts
