@@ -351,18 +351,24 @@ def main() -> int:
     r: dict[str, Any] = {"machine": tp.machine(), "n": N, "batches": BATCHES, "sizes": SIZES,
                          "started": time.strftime("%FT%TZ", time.gmtime())}
     t0 = time.monotonic()
+    tp.RESULTS.mkdir(parents=True, exist_ok=True)
+    out = tp.RESULTS / f"cost-curve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+    def save() -> None:  # after each part: a long run that fails later keeps what it had
+        r["wall_seconds"] = time.monotonic() - t0
+        out.write_text(json.dumps(r, indent=2, default=str))
+
     with contextlib.ExitStack() as stack:
         pg = stack.enter_context(tp.postgres_server())
         ls = stack.enter_context(tp.localstack_server())
         env = tp.Env(pg.dsn, pg.datadir, ls)
         r["growth"] = growth(env)
-        if PRUNE_ROWS:
-            r["pruning"] = [pruning(env, pg, pause, (i + 1) * 100_000_000)
-                            for i, pause in enumerate(PRUNE_PAUSES)]
-    r["wall_seconds"] = time.monotonic() - t0
-    tp.RESULTS.mkdir(parents=True, exist_ok=True)
-    out = tp.RESULTS / f"cost-curve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(r, indent=2, default=str))
+        save()
+        r["pruning"] = []
+        for i, pause in enumerate(PRUNE_PAUSES if PRUNE_ROWS else []):
+            r["pruning"].append(pruning(env, pg, pause, (i + 1) * 100_000_000))
+            save()
+    save()
     print()
     print(report(r))
     print(f"\nfull results: {out.relative_to(ROOT)}  (wall {r['wall_seconds']:.0f} s)")
