@@ -3,9 +3,11 @@
 What goes, and when (each retention is a setting, README "Retention"):
 
 * ``modifications``: ``COMPLETED`` rows ``INGEST_RETENTION_DAYS`` after ``completed_at``,
-  with their ``retry_attempts`` row; never ``IN_PROGRESS``; never a request whose id an
-  unreplayed dead letter carries (``dlq replay`` of that letter must still meet it and be
-  a duplicate, not apply it a second time). Each delete also folds the deleted entity
+  with their ``retry_attempts`` row; never ``IN_PROGRESS``; never a request whose id a
+  dead letter carries while the letter is unreplayed or was replayed less than
+  ``INGEST_DEAD_LETTER_RETENTION_DAYS`` ago (``dlq replay`` of that letter must meet it and
+  be a duplicate, not apply it a second time — also while the replayed copy may still be
+  in the queue, which that retention outlasts). Each delete also folds the deleted entity
   modifications into ``entity_checkpoints``, so reconciliation replays the same state.
 * ``retry_attempts``: counts not touched for ``INGEST_RETENTION_DAYS`` (a message that
   stopped coming back).
@@ -123,7 +125,8 @@ async def delete_batch(conn: asyncpg.Connection, step: Step, settings: Settings,
     per table. Tests call it inside their own transaction to hold a batch open."""
     seconds = step.retention(settings) * DAY
     if step.table == "modifications":
-        row = await conn.fetchrow(Q[step.statement], seconds, limit)
+        row = await conn.fetchrow(Q[step.statement], seconds, limit,
+                                  settings.dead_letter_retention_days * DAY)
         return {"modifications": int(row["modifications"]),
                 "retry_attempts": int(row["retry_attempts"])}
     status = await conn.execute(Q[step.statement], seconds, limit)
@@ -134,8 +137,10 @@ async def count_due(conn: asyncpg.Connection, settings: Settings) -> dict[str, i
     """What a pass would delete now (``--dry-run``): read only, no lock taken."""
     counts: dict[str, int] = {}
     for step in STEPS:
+        pins = (settings.dead_letter_retention_days * DAY,) if step.table == "modifications" \
+            else ()
         counts[step.table] = int(await conn.fetchval(
-            Q[step.count], step.retention(settings) * DAY))
+            Q[step.count], step.retention(settings) * DAY, *pins))
     return counts
 
 

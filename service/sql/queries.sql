@@ -263,8 +263,11 @@ UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::bigint[]) RETURNI
 -- row of the batch in flight (a claim of that very request_id), for one batch at most.
 
 -- name: prune_modifications
--- Never IN_PROGRESS. A completed request whose id an unreplayed dead letter carries is
--- kept: replaying that letter must meet its request (duplicate), not apply it again. The
+-- Never IN_PROGRESS. A completed request whose id a dead letter carries is kept while the
+-- letter is unreplayed, or was replayed less than $3 seconds ago
+-- (INGEST_DEAD_LETTER_RETENTION_DAYS, which exceeds the queue's retention): a replay of it
+-- must meet its request (duplicate), not apply it again, also while the replayed copy may
+-- still be in the queue. The
 -- retry counts of the deleted requests go with them, and the entity checkpoint takes the
 -- winner of the deleted entity modifications (same order as transforms.replay_entities:
 -- version desc nulls last, completed_at, id), in the same transaction.
@@ -274,6 +277,9 @@ WITH doomed AS (
        AND m.completed_at < now() - make_interval(secs => $1)
        AND NOT EXISTS (SELECT 1 FROM dead_letters d
                         WHERE d.request_id = m.request_id AND d.replayed_at IS NULL)
+       AND NOT EXISTS (SELECT 1 FROM dead_letters d
+                        WHERE d.request_id = m.request_id
+                          AND d.replayed_at >= now() - make_interval(secs => $3))
      ORDER BY m.completed_at
      LIMIT $2
        FOR UPDATE SKIP LOCKED
@@ -320,6 +326,9 @@ SELECT count(*) FROM modifications m
    AND m.completed_at < now() - make_interval(secs => $1)
    AND NOT EXISTS (SELECT 1 FROM dead_letters d
                     WHERE d.request_id = m.request_id AND d.replayed_at IS NULL)
+   AND NOT EXISTS (SELECT 1 FROM dead_letters d
+                    WHERE d.request_id = m.request_id
+                      AND d.replayed_at >= now() - make_interval(secs => $2))
 
 -- name: prune_retry_attempts
 -- Counts of a request that stopped coming back (its SQS retention ran out while it was

@@ -351,7 +351,8 @@ async def test_replayed_letter_of_an_old_request_is_still_a_duplicate(
 ) -> None:
     """A request reused with another payload was refused (idempotency_key_reused). Long
     after, its original is past the retention: pruned, a replay of the letter would apply
-    the reused key. The letter pins its request instead: the replay stays a refusal."""
+    the reused key. The letter pins its request instead — before the replay, and after it
+    while the replayed copy may still be in the queue: the replay stays a refusal."""
     cfg = make_settings(queue_url, database_url, sqs_endpoint)
     sqs_client.send_message(QueueUrl=queue_url, MessageBody=body("r-x", 1))
     async with running_worker(cfg):
@@ -373,15 +374,19 @@ async def test_replayed_letter_of_an_old_request_is_still_a_duplicate(
         subprocess.run, [sys.executable, "-m", "service", "dlq", "replay", "--all"],
         env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+    # A pass between the replay and the copy's delivery: the replayed letter still pins.
+    counts = await prune_once(database_url, settings(database_url))
+    assert counts is not None and counts["modifications"] == 0
     async with running_worker(cfg):
         await eventually(lambda: db.fetchval("SELECT count(*) FROM dead_letters"
                                              " WHERE replayed_at IS NULL"),
                          "the replayed copy refused again")
     entity = await db.fetchrow("SELECT version, data FROM entities WHERE entity_id = 'e-r-x'")
     assert entity["version"] == 1  # the reused payload never landed
-    # Once the letters are replayed (and the new one too), the request can go.
-    await db.execute("UPDATE dead_letters SET replayed_at = now()")
-    assert (await prune_once(database_url, settings(database_url)) or {})["modifications"] == 1
+    # Replayed (the new letter too) and past the dead-letter retention: all of it goes.
+    await db.execute("UPDATE dead_letters SET replayed_at = now() - interval '31 days'")
+    last = await prune_once(database_url, settings(database_url)) or {}
+    assert (last["dead_letters"], last["modifications"]) == (2, 1)
 
 
 # -- the safety rule, through the real CLI against moto ------------------------------------
