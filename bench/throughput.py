@@ -51,6 +51,10 @@ fresh LocalStack SQS queue; one SendMessageBatch per ten results), in ABBA order
 drain waits until all N results are in the results queue; reported: ingestion rate and CPU
 per message for both, the per-round on/off ratios, and how long the results took to leave
 (last ``published_at`` after the first commit; commit-to-publish delay p50 and max).
+RESULTS_SINKS (default ``localstack,null``): the destination — a LocalStack queue (its CPU
+shares this machine's two cores with the daemon, so the ratio also counts the destination's
+work), and/or ``null``, an in-process HTTP stub that accepts every SendMessageBatch at
+almost no cost: what results cost the daemon and PostgreSQL with a remote destination.
 
 Prints a table and writes everything as JSON to bench/results/ (gitignored).
 """
@@ -60,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -74,6 +79,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -585,25 +591,83 @@ def report_compare(c: dict[str, Any]) -> list[str]:
     return lines
 
 
-def phase_results(env: Env, n: int, endpoint: str, rounds: int) -> dict[str, Any]:
+class NullQueue:
+    """A results destination that costs (almost) nothing: an HTTP server in this process
+    that answers every SendMessageBatch with all entries accepted and keeps only a count.
+    With it the "on" drains measure what results cost the daemon and PostgreSQL when the
+    destination is not on this machine (as SNS/SQS are in production); against LocalStack
+    the destination's own CPU competes for the same two cores."""
+
+    def __init__(self) -> None:
+        self.entries = 0
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: Any = None
+
+    def __enter__(self) -> NullQueue:
+        from aiohttp import web
+
+        async def handle(request: web.Request) -> web.Response:
+            doc = json.loads(await request.read())
+            entries = doc.get("Entries", [])
+            self.entries += len(entries)
+            return web.json_response(
+                {"Successful": [{"Id": e["Id"], "MessageId": uuid.uuid4().hex,
+                                 "MD5OfMessageBody": ""} for e in entries], "Failed": []},
+                content_type="application/x-amz-json-1.0")
+
+        async def start() -> None:
+            app = web.Application(client_max_size=4 * 2**20)
+            app.router.add_route("POST", "/{tail:.*}", handle)
+            self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def phase_results(env: Env, n: int, endpoint: str, rounds: int,
+                  sink: str = "localstack") -> dict[str, Any]:
     """Results out on vs off (issue 10): ROUNDS pairs of drains of the same code, without
-    and with ``INGEST_RESULTS_QUEUE_URL`` (a fresh LocalStack SQS queue per drain: one
-    SendMessageBatch per ten results), in ABBA order so that the machine's drift hits
-    both alike."""
+    and with ``INGEST_RESULTS_QUEUE_URL``, in ABBA order so that the machine's drift hits
+    both alike. ``sink``: ``localstack`` (a fresh LocalStack SQS queue per drain: one
+    SendMessageBatch per ten results, LocalStack's CPU on this machine) or ``null``
+    (NullQueue: the destination's cost taken off this machine)."""
     drains: list[dict[str, Any]] = []
-    for rnd in range(1, rounds + 1):
-        for mode in ("off", "on") if rnd % 2 else ("on", "off"):
-            label = f"results-r{rnd}-{mode}"
-            extra = ({"INGEST_RESULTS_QUEUE_URL": create_queue(env.ls.url, env.next("results"))}
-                     if mode == "on" else {})
-            print(f"bench: results round {rnd}/{rounds}: results {mode} ...", flush=True)
-            d = phase_daemon(env, n, endpoint, label, extra_env=extra)
-            d.update({"round": rnd, "mode": mode})
-            print(f"bench:   {d['rate']:,.0f} msg/s, daemon CPU {d['cpu_us_per_msg']:.0f} us/msg"
-                  + (f", all {d['results_in_queue']} results out "
-                     f"{d['results_done_seconds']:.1f} s after the first commit"
-                     if mode == "on" else ""), flush=True)
-            drains.append(d)
+    with contextlib.ExitStack() as stack:
+        null = stack.enter_context(NullQueue()) if sink == "null" else None
+        for rnd in range(1, rounds + 1):
+            for mode in ("off", "on") if rnd % 2 else ("on", "off"):
+                label = f"results-{sink}-r{rnd}-{mode}"
+                extra: dict[str, str] = {}
+                out = None
+                if mode == "on" and null is not None:
+                    base = null.entries
+                    extra = {"INGEST_RESULTS_QUEUE_URL": f"{env.ls.url}/000000000000/null",
+                             "INGEST_RESULTS_ENDPOINT_URL": null.url}
+                    out = functools.partial(lambda b: null.entries - b, base)
+                elif mode == "on":
+                    url = create_queue(env.ls.url, env.next("results"))
+                    extra = {"INGEST_RESULTS_QUEUE_URL": url}
+                    out = functools.partial(queue_depth, env.ls.url, url)
+                print(f"bench: results ({sink}) round {rnd}/{rounds}: results {mode} ...",
+                      flush=True)
+                d = phase_daemon(env, n, endpoint, label, extra_env=extra, results_out=out)
+                d.update({"round": rnd, "mode": mode})
+                print(f"bench:   {d['rate']:,.0f} msg/s, daemon CPU {d['cpu_us_per_msg']:.0f} us/msg"
+                      + (f", all {d['results_in_queue']} results out "
+                         f"{d['results_done_seconds']:.1f} s after the first commit"
+                         if mode == "on" else ""), flush=True)
+                drains.append(d)
     keys = ("rate", "cpu_us_per_msg", "localstack_cpu_us_per_msg", "postgres_cpu_us_per_msg")
     per_mode = {m: {k: _spread([d[k] for d in drains if d["mode"] == m]) for k in keys}
                 for m in ("off", "on")}
@@ -611,7 +675,7 @@ def phase_results(env: Env, n: int, endpoint: str, rounds: int) -> dict[str, Any
     paired = {k: _spread([by_round[(r, "on")][k] / by_round[(r, "off")][k]
                           for r in range(1, rounds + 1)]) for k in keys}
     on = [d for d in drains if d["mode"] == "on"]
-    return {"label": "results", "n": n, "rounds": rounds, "per_mode": per_mode,
+    return {"label": "results", "sink": sink, "n": n, "rounds": rounds, "per_mode": per_mode,
             "paired_ratio": paired,
             "results_done_seconds": _spread([d["results_done_seconds"] for d in on]),
             "result_delay_p50": _spread([d["result_delay_p50"] for d in on]),
@@ -621,8 +685,9 @@ def phase_results(env: Env, n: int, endpoint: str, rounds: int) -> dict[str, Any
 
 
 def report_results(c: dict[str, Any]) -> list[str]:
-    lines = [f"results on vs off, N={c['n']}, {c['rounds']} rounds ABBA (results to a "
-             f"LocalStack SQS queue)",
+    where = ("a LocalStack SQS queue on this machine" if c["sink"] == "localstack"
+             else "a null destination (NullQueue: accepts all, costs ~nothing)")
+    lines = [f"results on vs off, N={c['n']}, {c['rounds']} rounds ABBA, results to {where}",
              f"{'round':<7}{'mode':<6}{'msg/s':>9}{'CPU us/msg':>12}{'LS us':>8}{'PG us':>8}"
              f"{'out s':>8}{'exit':>6}"]
     for d in c["drains"]:
@@ -801,12 +866,13 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
                  tree: CodeTree | None = None,
                  extra_env: dict[str, str] | None = None,
                  dsn: str | None = None,
-                 during: Any = None) -> dict[str, Any]:
+                 during: Any = None,
+                 results_out: Any = None) -> dict[str, Any]:
     """One drain by ``python -m service run`` from this checkout, or from ``tree``;
     ``extra_env`` adds INGEST_* settings for this drain only (the results phase). ``dsn``:
     drain into that (already migrated, maybe pre-filled) database instead of a fresh one;
     ``during(res)`` is called once the daemon is ready (bench/cost_curve.py starts a prune
-    there)."""
+    there). ``results_out()``: results at the destination so far (the drain waits for N)."""
     since = time.time() - 1
     dsn = dsn or new_database(env, env.next("daemon"), tree)
     url = create_queue(env.ls.url, env.next("daemon"))
@@ -870,12 +936,11 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
             finally:
                 counter.close()
             wait_until(lambda: queue_depth(env.ls.url, url) == 0, 60, "acks of the last batches")
-            results_url = (extra_env or {}).get("INGEST_RESULTS_QUEUE_URL")
-            if results_url and not soak:
+            if results_out is not None and not soak:
                 # Every result out before the daemon stops (SIGTERM would drain the rest).
-                wait_until(lambda: queue_depth(env.ls.url, results_url) >= n, max(60, n / 50),
-                           "every result in the results queue")
-                res["results_in_queue"] = queue_depth(env.ls.url, results_url)
+                wait_until(lambda: results_out() >= n, max(60, n / 50),
+                           "every result at the destination")
+                res["results_in_queue"] = results_out()
             metrics = scrape(port)
             res["peak_rss_mb"] = proc_status(proc.pid, "VmHWM") / 2**20
             res["rss_end_mb"] = proc_status(proc.pid, "VmRSS") / 2**20
@@ -896,7 +961,7 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
                                             - s.at(first, "postgres_cpu")) / done * 1e6,
                 "lag_p50": quantile(lag, 0.5), "lag_p99": quantile(lag, 0.99),
             })
-        if (extra_env or {}).get("INGEST_RESULTS_QUEUE_URL") and not soak:
+        if results_out is not None and not soak:
             res.update(outbox_window(dsn, first))
         res["processed_total"] = sum(v for (k, _), v in metrics.items()
                                      if k == "sqs_ingest_messages_processed_total")
@@ -1117,8 +1182,9 @@ def report(r: dict[str, Any]) -> str:
                      f"{fmt(sk['lag_p50'], '.3f')} s, p99 {fmt(sk['lag_p99'], '.3f')} s")
     if r.get("compare"):
         lines.extend(report_compare(r["compare"]))
-    if r.get("results"):
-        lines.extend(report_results(r["results"]))
+    for key in ("results", "results_null"):
+        if r.get(key):
+            lines.extend(report_results(r[key]))
     for key in ("daemon_profiled", "daemon_profiled_baseline"):
         dp = r.get(key)
         if dp and "profile_summary" in dp:
@@ -1189,7 +1255,11 @@ def main() -> int:
         if old and new:
             step("compare", phase_compare, env, a.n, ls.url, old, new, a.rounds)
         if "results" in phases:
-            step("results", phase_results, env, a.n, ls.url, a.rounds)
+            sinks = os.environ.get("RESULTS_SINKS", "localstack,null").split(",")
+            if "localstack" in sinks:
+                step("results", phase_results, env, a.n, ls.url, a.rounds)
+            if "null" in sinks:
+                step("results_null", phase_results, env, a.n, ls.url, a.rounds, "null")
         if a.latency_ms:
             from tests.faultproxy import FaultProxy
 
