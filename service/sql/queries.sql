@@ -276,10 +276,9 @@ WITH doomed AS (
      WHERE m.status = 'COMPLETED'
        AND m.completed_at < now() - make_interval(secs => $1)
        AND NOT EXISTS (SELECT 1 FROM dead_letters d
-                        WHERE d.request_id = m.request_id AND d.replayed_at IS NULL)
-       AND NOT EXISTS (SELECT 1 FROM dead_letters d
                         WHERE d.request_id = m.request_id
-                          AND d.replayed_at >= now() - make_interval(secs => $3))
+                          AND (d.replayed_at IS NULL
+                               OR d.replayed_at >= now() - make_interval(secs => $3)))
      ORDER BY m.completed_at
      LIMIT $2
        FOR UPDATE SKIP LOCKED
@@ -325,10 +324,9 @@ SELECT count(*) FROM modifications m
  WHERE m.status = 'COMPLETED'
    AND m.completed_at < now() - make_interval(secs => $1)
    AND NOT EXISTS (SELECT 1 FROM dead_letters d
-                    WHERE d.request_id = m.request_id AND d.replayed_at IS NULL)
-   AND NOT EXISTS (SELECT 1 FROM dead_letters d
                     WHERE d.request_id = m.request_id
-                      AND d.replayed_at >= now() - make_interval(secs => $2))
+                      AND (d.replayed_at IS NULL
+                           OR d.replayed_at >= now() - make_interval(secs => $2)))
 
 -- name: prune_retry_attempts
 -- Counts of a request that stopped coming back (its SQS retention ran out while it was
