@@ -20,8 +20,10 @@ from typing import Any
 import asyncpg
 import boto3
 import pytest
+from aiohttp import web
 
 from tests.acceptance.harness import Daemon, daemon_env
+from tests.faultproxy import FaultProxy
 
 REGION = "us-east-1"
 CURRENT = "software.amazon.payloadoffloading.PayloadS3Pointer"
@@ -257,3 +259,57 @@ async def test_unreadable_pointers_are_dead_letters_and_a_redelivery_after_delet
     assert d.metric("sqs_ingest_s3_fetches_total", outcome="too_large") == 1
     assert d.metric("sqs_ingest_s3_deletes_total", outcome="deleted") == 1
     assert d.stop() == 0
+
+
+class S3Outage(FaultProxy):
+    """S3 in front of LocalStack that answers every request 503 SlowDown while ``down``."""
+
+    down = True
+    refused = 0
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if not self.down:
+            return await super()._serve(request)
+        self.refused += 1
+        return web.Response(status=503, content_type="application/xml", text=(
+            "<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+            "<Message>injected: S3 down</Message></Error>"))
+
+
+async def test_an_s3_outage_hands_pointers_back_until_s3_answers_again(
+    database_url: str, localstack: str, producers: Producers, spawn: Callable[..., Daemon],
+) -> None:
+    p = producers
+    url, _ = make_queue(p.plain_sqs)
+    sent = {}
+    for i in range(3):
+        body, sent[f"e-out-{i}"] = upsert(f"r-out-{i}", f"e-out-{i}", 300_000, 10 + i)
+        p.send(url, body)
+    p.plain_sqs.send_message(QueueUrl=url, MessageBody=upsert("r-inline", "e-inline", 500, 9)[0])
+    with S3Outage(localstack) as s3:
+        d = spawn(daemon_env(database_url, url, localstack, INGEST_HANDLERS=HANDLERS,
+                             INGEST_S3_ENDPOINT_URL=s3.url, INGEST_RETRY_BASE_SECONDS="1",
+                             INGEST_RETRY_MAX_SECONDS="2"))
+        conn = await asyncpg.connect(database_url)
+        try:
+            # Each pointer fails (after botocore's own 3 attempts) and is handed back with the
+            # daemon's backoff; the inline neighbour is not held up.
+            await wait_for(conn, "SELECT count(*) FROM entities WHERE entity_id = 'e-inline'", 1,
+                           "the inline neighbour", d)
+            deadline = asyncio.get_running_loop().time() + 30
+            while d.metric("sqs_ingest_s3_errors_total", kind="throttled") < 3:
+                assert asyncio.get_running_loop().time() < deadline, d.logs()
+                await asyncio.sleep(0.2)
+            assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 0
+            assert d.ready() and not d.exited()
+            s3.down = False
+            await wait_for(conn, "SELECT count(*) FROM entities", 4, "all after the outage", d)
+            rows = {r["entity_id"]: json.loads(r["data"]) for r in await conn.fetch(
+                "SELECT entity_id, data FROM entities WHERE entity_id LIKE 'e-out-%'")}
+            assert rows == sent
+            assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 0
+        finally:
+            await conn.close()
+        assert d.metric("sqs_ingest_s3_fetches_total", outcome="error") >= 3
+        assert d.metric("sqs_ingest_s3_fetches_total", outcome="fetched") == 3
+        assert d.stop() == 0
