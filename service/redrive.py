@@ -176,8 +176,7 @@ async def redrive(
     except (ClientError, BotoCoreError) as exc:
         print(f"sqs-ingest: redrive failed: StartMessageMoveTask: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    out(f"move task started: {dlq_arn} -> {source_arn}")
-    log.info("redrive_started", source=dlq_arn, destination=source_arn, task=handle)
+    out(f"move task started: {dlq_arn} -> {source_arn} ({handle})")
     return await _follow(client, dlq_arn, out, poll_seconds, follow_for)
 
 

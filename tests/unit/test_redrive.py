@@ -5,6 +5,7 @@ The worker runs over the in-package fakes; FakeQueue moves a message past its
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -218,6 +219,22 @@ async def test_a_batch_caught_by_an_outage_is_requeued_near_the_limit(
         assert q.dead_lettered_by_sqs == []
         await until(lambda: not q.messages, "processed after the outage", timeout=20)
         assert q.dead_lettered_by_sqs == [] and calls == [1]
+
+
+async def test_shutdown_requeues_what_it_cancels_near_the_limit() -> None:
+    async def stuck(p: Note, conn: Any) -> None:
+        await asyncio.sleep(3600)
+
+    stuck_registry = Registry()
+    stuck_registry.register("note", Note, stuck)
+    q = redrive_queue(1)  # every hand-back would move it
+    mid = q.send(body("s1", 1))
+    async with Harness(settings(shutdown_timeout=0.5), stuck_registry, q) as h:
+        await until(lambda: "s1" in h.store.rows, "claimed")
+        assert await h.stop() == 0
+    assert q.requeued == [mid] and q.dead_lettered_by_sqs == []
+    [copy] = q.messages.values()
+    assert copy.body == body("s1", 1) and copy.receive_count == 0
 
 
 async def test_maintenance_refreshes_the_limit_without_a_restart(registry: Registry) -> None:
