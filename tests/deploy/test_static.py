@@ -61,7 +61,10 @@ IAM_ALLOWED_ACTIONS = {
     "sqs:DeleteMessage",  # also authorizes DeleteMessageBatch
     "sqs:ChangeMessageVisibility",  # also authorizes ChangeMessageVisibilityBatch
     "sqs:GetQueueAttributes",
-    "sqs:SendMessage",  # dlq replay; results to a queue (SendMessageBatch)
+    "sqs:SendMessage",  # dlq replay; requeued deferrals; results to a queue (SendMessageBatch)
+    "sqs:StartMessageMoveTask",  # redrive, on the queue's own DLQ
+    "sqs:ListMessageMoveTasks",  # redrive progress, on the DLQ
+    "sqs:GetQueueUrl",  # redrive: the DLQ's URL from its ARN
     "sns:Publish",  # results to a topic (also authorizes PublishBatch)
     "s3:GetObject",  # payloads offloaded by the AWS extended clients
     "s3:ListBucket",  # so that S3 answers 404 (payload_object_missing), not 403, for a gone object
