@@ -29,7 +29,8 @@ class Settings(BaseSettings):
         http_host: address the HTTP server binds.
         visibility_timeout: seconds a received message stays hidden; 0 = use the
             queue's own ``VisibilityTimeout`` attribute, read at startup.
-        max_receive_count: handler attempts before a message is dead-lettered.
+        max_receive_count: handler attempts before a message is dead-lettered; lowered to
+            the queue's RedrivePolicy maxReceiveCount when that is smaller (service.redrive).
         pollers: concurrent long-poll loops.
         max_inflight_batches: received batches being processed at once (bounds memory).
         wait_time_seconds: long-poll wait (SQS maximum 20).
@@ -43,7 +44,8 @@ class Settings(BaseSettings):
         gc_interval: seconds between orphan-GC passes.
         retry_base_seconds / retry_max_seconds: exponential backoff of transient failures.
         contention_delay: visibility given to a message another live owner holds.
-        queue_attributes_interval: seconds between GetQueueAttributes for the depth gauges.
+        queue_attributes_interval: seconds between GetQueueAttributes for the depth gauges
+            and the queue's RedrivePolicy.
         db_pool_size: PostgreSQL connections.
         log_format / log_level: ``json`` (default) or ``console``.
         results_topic_arn / results_queue_url: where each outcome's result message goes
