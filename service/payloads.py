@@ -279,22 +279,24 @@ def plan_unresolved(
     """Decide messages whose payload could not be read. A missing object whose pointer was
     claimed by a COMPLETED request is a duplicate (the object was deleted after that
     request's ack, opt-in); one still IN_PROGRESS waits like any contention; otherwise
-    the message is a dead letter that keeps its pointer body. S3 failures are handed back
-    with backoff, never dead-lettered."""
+    the message is a dead letter that keeps its pointer body. S3 failures are deferred
+    with backoff (not the message's fault), never dead-lettered."""
     from service.plan import INVALID_TYPE_LABEL, Plan
     from service.seams import DeadLetter
 
     plan = Plan()
     for raw, r in unresolved:
         if isinstance(r, Unreachable):
-            plan.release(raw, policy.backoff(raw.receive_count))
+            # Not the message's fault: a deferral (an S3 outage never pushes it to the
+            # queue's own DLQ; service.redrive), after the usual backoff.
+            plan.defer(raw, policy.backoff(raw.receive_count))
             continue
         owner = known.get(r.pointer.uri) if r.pointer is not None \
             and r.reason == "payload_object_missing" else None
         if owner is not None and owner.status == "COMPLETED":
             plan.ack(raw, owner.request_type, "duplicate")
         elif owner is not None:
-            plan.release(raw, policy.contention())
+            plan.defer(raw, policy.contention())
             plan.contention += 1
         else:
             log.warning("poison_message", message_id=raw.message_id, reason=r.reason,
@@ -327,7 +329,7 @@ async def resolve_batch(
     plan = plan_unresolved(failed, await store.known_pointers(missing) if missing else {},
                            policy)
     decided = {m.message_id for m, _ in failed}
-    back = {m.message_id for m, _ in plan.releases}
+    back = {m.message_id for m, _ in plan.deferrals}
     held: set[str] = set()
     rest = []
     for m in part:
@@ -335,7 +337,7 @@ async def resolve_batch(
             if fifo and m.group_id is not None and m.message_id in back:
                 held.add(m.group_id)
         elif m.group_id is not None and m.group_id in held:
-            plan.release(m, 0)  # behind a message of its group handed back above
+            plan.defer(m, 0)  # behind a message of its group handed back above
         else:
             rest.append(m)
     return rest, fetched, plan

@@ -418,3 +418,19 @@ async def test_handlers_see_the_attributes_of_their_own_message(rig_factory: Any
         "r3": {"origin": {"DataType": "String", "StringValue": "billing"}}}
     assert rig.store.rows["r1"].message_attributes == attrs
     assert rig.store.rows["r2"].message_attributes is None
+
+
+async def test_an_s3_outage_never_pushes_a_message_into_the_queue_s_own_dlq(
+    rig_factory: Any,
+) -> None:
+    rig = await rig_factory()
+    rig.queue.max_receive_count = 2  # RedrivePolicy: SQS moves it on the third receive
+    rig.s3.put("k1", doc("r1"))
+    rig.s3.fail["k1"] = client_error("InternalError", 500)
+    rig.queue.send(pointer_body("k1"))
+    await until(lambda: rig.queue.requeued, "deferred as a fresh copy near the limit",
+                timeout=15)
+    del rig.s3.fail["k1"]
+    await until(lambda: not rig.queue.messages, "completed after the outage", timeout=15)
+    assert rig.queue.dead_lettered_by_sqs == [] and not rig.store.dead
+    assert rig.store.rows["r1"].status == "COMPLETED"
