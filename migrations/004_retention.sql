@@ -12,8 +12,9 @@ CREATE INDEX modifications_prune_idx
 -- A completed request whose id a dead letter carries is kept while the letter is
 -- unreplayed or recently replayed (see prune.py: `dlq replay` of that letter must still
 -- meet its request and be a duplicate). The pruner asks this once per candidate row: an
--- index probe, whatever the statistics say.
-CREATE INDEX dead_letters_request_idx ON dead_letters (request_id);
+-- index probe, whatever the statistics say. A hash index: a dead letter's request_id may
+-- be far longer than a btree entry can hold (request_id_too_long keeps it as sent).
+CREATE INDEX dead_letters_request_idx ON dead_letters USING hash (request_id);
 CREATE INDEX dead_letters_prune_idx
     ON dead_letters (replayed_at) WHERE replayed_at IS NOT NULL;
 
