@@ -247,9 +247,10 @@ async def test_sigterm_releases_what_idle_polls_bring(
 
 @pytest.mark.investigation  # not in make test: whether it fails depends on moto's timing
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "per-group order breaks after kill -9 on the moto emulator (reported in #15): the "
-    "moto FIFO redelivery bug is fixed in tests/moto_fifo.py, some reordering remains; not "
-    "yet known whether the emulator or the daemon is at fault"))
+    "per-group order breaks after kill -9 on the moto emulator (reported in #15): moto's "
+    "FIFO emulation — the same test passes on LocalStack, whose FIFO queues hold a group "
+    "while a message of it is in flight (tests/acceptance/test_fifo_localstack.py, in make "
+    "test)"))
 async def test_fifo_kill_9_keeps_group_order_and_applies_once(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, tmp_path: Path
 ) -> None:
