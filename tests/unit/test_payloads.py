@@ -434,3 +434,18 @@ async def test_an_s3_outage_never_pushes_a_message_into_the_queue_s_own_dlq(
     await until(lambda: not rig.queue.messages, "completed after the outage", timeout=15)
     assert rig.queue.dead_lettered_by_sqs == [] and not rig.store.dead
     assert rig.store.rows["r1"].status == "COMPLETED"
+
+
+def test_settings_of_offloaded_payloads() -> None:
+    from service.settings import ConfigError, load_settings
+
+    base = {"queue_url": "http://127.0.0.1:1/q", "database_url": "postgresql://u@h/d"}
+    s = load_settings(**base, sqs_endpoint_url="http://127.0.0.1:4566")
+    assert (s.effective_s3_endpoint_url, s.max_payload_bytes, s.s3_delete_after_ack) == (
+        "http://127.0.0.1:4566", 10 * 1024 * 1024, False)
+    assert load_settings(**base, s3_endpoint_url="http://127.0.0.1:9000") \
+        .effective_s3_endpoint_url == "http://127.0.0.1:9000"
+    for bad, var in (({"max_payload_bytes": 10}, "INGEST_MAX_PAYLOAD_BYTES"),
+                     ({"s3_endpoint_url": "s3.example"}, "INGEST_S3_ENDPOINT_URL")):
+        with pytest.raises(ConfigError, match=var):
+            load_settings(**base, **bad)
