@@ -259,6 +259,10 @@ async def _read_exactly(body: Any, size: int) -> bytearray:
                 raise OSError(f"S3 object truncated at {pos} of {size} bytes")
             view[pos:pos + len(chunk)] = chunk
             pos += len(chunk)
+        # The end of the stream: botocore checks the length, and a response checksum
+        # (flexible checksums) when the object has one, on the read that returns nothing.
+        if await body.read(1):
+            raise OSError(f"S3 object longer than its Content-Length ({size} bytes)")
     finally:
         view.release()
     return buf

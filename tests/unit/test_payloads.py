@@ -110,6 +110,7 @@ class FakeS3:
         self.objects: dict[tuple[str, str], bytes] = {}
         self.fail: dict[str, BaseException] = {}
         self.truncate: dict[str, int] = {}
+        self.short_length: dict[str, int] = {}  # Content-Length below the real size
         self.bodies: list[FakeBody] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -131,7 +132,7 @@ class FakeS3:
             data = self.objects[(Bucket, Key)]
             body = FakeBody(data, self.truncate.get(Key))
             self.bodies.append(body)
-            return {"Body": body, "ContentLength": len(data)}
+            return {"Body": body, "ContentLength": len(data) - self.short_length.get(Key, 0)}
         finally:
             self.in_flight -= 1
 
@@ -188,6 +189,10 @@ async def test_missing_object_and_truncated_stream() -> None:
     s3.put("cut", b"y" * 100)
     s3.truncate["cut"] = 60
     assert isinstance(await S3Payloads(s3, 1 << 20).fetch(Pointer("payloads", "cut")), Unreachable)
+    s3.put("long", b"z" * 100)
+    s3.short_length["long"] = 1  # the stream does not end where its length says
+    assert isinstance(await S3Payloads(s3, 1 << 20).fetch(Pointer("payloads", "long")),
+                      Unreachable)
 
 
 async def test_a_batch_s_pointers_are_fetched_concurrently() -> None:
