@@ -1,0 +1,54 @@
+"""``S3Payloads`` with the real aiobotocore S3 client against LocalStack's S3: what S3
+itself answers (codes, lengths, checksums), which the fakes of tests/unit only imitate."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import boto3
+import pytest
+from aiobotocore.session import get_session
+
+from service.payloads import Fetched, Pointer, Refused, S3Payloads, Unreachable, s3_client
+
+
+@pytest.fixture
+def bucket(localstack: str) -> str:
+    name = f"payloads-{uuid.uuid4().hex[:10]}"
+    s3 = boto3.client("s3", endpoint_url=localstack, region_name="us-east-1")
+    s3.create_bucket(Bucket=name)
+    # boto3 stores a CRC32 with each object: the daemon's read is checked against it.
+    s3.put_object(Bucket=name, Key="ok", Body=b'{"request_id": "r"}' + b" " * 300_000)
+    s3.put_object(Bucket=name, Key="big", Body=b"x" * 70_000)
+    return name
+
+
+@pytest.fixture
+async def client(localstack: str) -> AsyncIterator[Any]:
+    async with s3_client(get_session(), "us-east-1", localstack) as c:
+        yield c
+
+
+async def test_what_s3_answers_becomes_the_right_outcome(client: Any, bucket: str) -> None:
+    payloads = S3Payloads(client, max_bytes=65_536)
+    big = await payloads.fetch(Pointer(bucket, "big"))
+    assert isinstance(big, Refused) and big.reason == "payload_too_large"
+    payloads.max_bytes = 1 << 20
+    ok = await payloads.fetch(Pointer(bucket, "ok"))
+    assert isinstance(ok, Fetched) and ok.data == b'{"request_id": "r"}' + b" " * 300_000
+    for where in (Pointer(bucket, "gone"), Pointer(f"no-such-{bucket}", "k")):
+        r = await payloads.fetch(where)
+        assert isinstance(r, Refused) and r.reason == "payload_object_missing", r
+    # The connection dropped unread by the too-large answer did not poison the pool.
+    again = await payloads.fetch(Pointer(bucket, "ok"))
+    assert isinstance(again, Fetched)
+
+
+async def test_an_unreachable_s3_is_transient() -> None:
+    from tests.servers import free_port
+
+    async with s3_client(get_session(), "us-east-1", f"http://127.0.0.1:{free_port()}") as c:
+        r = await S3Payloads(c, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
+    assert isinstance(r, Unreachable)
