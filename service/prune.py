@@ -180,8 +180,18 @@ async def prune_once(
         try:
             return await _pass(conn, settings, stop)
         finally:
-            if not conn.is_closed():
-                await conn.execute("SELECT pg_advisory_unlock($1)", PRUNE_LOCK_KEY)
+            await _unlock(conn)
+
+
+async def _unlock(conn: asyncpg.Connection) -> None:
+    """Give the lock back; if the session cannot (a pass cancelled mid-statement), end
+    it: the lock goes with it, and a pooled connection never keeps it."""
+    if conn.is_closed():
+        return
+    try:
+        await conn.execute("SELECT pg_advisory_unlock($1)", PRUNE_LOCK_KEY)
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+        conn.terminate()
 
 
 async def _pass(conn: asyncpg.Connection, settings: Settings,

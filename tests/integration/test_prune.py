@@ -336,6 +336,19 @@ async def test_the_daemon_prunes_periodically(
     assert value("modifications") - before == 7
 
 
+async def test_prune_once_over_a_pool_gives_the_lock_back(
+    pool: asyncpg.Pool, db: asyncpg.Connection, database_url: str,
+) -> None:
+    """The API as a caller with its own pool uses it: the pooled connection returns without
+    the session lock (else no pruner could run again until it closed)."""
+    await completed(db, 3, 40, "old")
+    assert (await prune_once(pool, settings(database_url)) or {})["modifications"] == 3
+    assert await db.fetchval("SELECT pg_try_advisory_lock($1)", PRUNE_LOCK_KEY)
+    await db.execute("SELECT pg_advisory_unlock($1)", PRUNE_LOCK_KEY)
+    assert await prune_once(pool, settings(database_url), dry_run=True) == dict.fromkeys(
+        TABLES, 0)
+
+
 # -- dlq replay of a letter whose request is past the retention ---------------------------
 
 
