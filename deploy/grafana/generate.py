@@ -183,6 +183,16 @@ ROWS: list[Row] = [
               [(f"sum({rate('sqs_ingest_results_published_total')})", "published/s")],
               unit="ops", description="Result messages published to SNS/SQS per second."),
     ]),
+    Row("Retention", [
+        Panel("Rows pruned",
+              [(f"sum by (table) (increase({m('sqs_ingest_pruned_rows_total')}"
+                "[$__rate_interval]))", "{{table}}")],
+              width=24,
+              description="Rows deleted past their retention (README 'Retention'), per table: "
+                          "a pass every INGEST_PRUNE_INTERVAL by one replica at a time. "
+                          "Nothing for days on a busy system: pruning is off or failing "
+                          "(prune_failed in the logs)."),
+    ]),
     Row("Reconciliation (nightly)", [
         Panel("Since last completed run",
               [("time() - max(sqs_ingest_reconcile_last_success_timestamp_seconds)", "age")],
