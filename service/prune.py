@@ -71,7 +71,8 @@ class RetentionRefused(Exception):
 
 @dataclass(frozen=True)
 class Step:
-    """One table's delete: ``statement($1 = retention seconds, $2 = batch size)``."""
+    """One table's delete: ``statement($1 = retention seconds, $2 = batch size)`` (for
+    ``modifications`` also ``$3``: the dead-letter retention, which pins requests)."""
 
     table: str
     statement: str
@@ -134,7 +135,9 @@ async def delete_batch(conn: asyncpg.Connection, step: Step, settings: Settings,
 
 
 async def count_due(conn: asyncpg.Connection, settings: Settings) -> dict[str, int]:
-    """What a pass would delete now (``--dry-run``): read only, no lock taken."""
+    """What a pass would delete now (``--dry-run``): read only, no lock taken. The retry
+    rows a pass deletes with their requests are not counted (completion clears them, so
+    there are next to none)."""
     counts: dict[str, int] = {}
     for step in STEPS:
         pins = (settings.dead_letter_retention_days * DAY,) if step.table == "modifications" \
