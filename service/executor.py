@@ -60,6 +60,8 @@ class PlanExecutor:
         self.queue = queue
         self.store = store
         self.limit = limit  # the queue's RedrivePolicy as last read (service.redrive)
+        # Claims of batches given back while the database was down (release_unreleased).
+        self.unreleased: list[Message] = []
 
     async def carry_out(self, plan: Plan, flight: InFlight) -> None:
         """Letters durable first, then acks (AckFailed propagates: exit 3), then releases."""
@@ -117,6 +119,21 @@ class PlanExecutor:
         if plain:
             await self.change_visibility(plain)
 
+    async def release_unreleased(self) -> None:
+        """Once the database is back: release the claims of batches given back during the
+        outage. Left alone, they would keep their messages' copies contended (a fresh copy
+        or a receive each time) until the own-leak GC's age margin passed. One attempt:
+        what fails stays for that GC, which must not race a later claim of the same key."""
+        pending, self.unreleased = self.unreleased, []
+        if not pending:
+            return
+        try:
+            await self.store.release(pending)
+        except DB_ERRORS as exc:
+            log.warning("release_failed", error=str(exc))
+        else:
+            log.info("claims_released_after_outage", count=len(pending))
+
     async def give_back(
         self, flight: InFlight, delay: int, db_up: bool, deferral: bool = False
     ) -> None:
@@ -130,8 +147,10 @@ class PlanExecutor:
             try:
                 await self.store.release(mine)
             except DB_ERRORS as exc:
-                # The periodic own-leak GC releases them once the database is back.
                 log.warning("release_failed", error=str(exc))
+                self.unreleased += mine
+        elif mine:
+            self.unreleased += mine
         try:
             changes = [(m, delay) for m in flight.unresolved.values()]
             await (self.hand_back(changes) if deferral else self.change_visibility(changes))

@@ -78,7 +78,7 @@ class Worker:
         # INGEST_MAX_RECEIVE_COUNT lowered by the queue's RedrivePolicy: read by the batch
         # path, kept current by maintenance (service.redrive).
         self.limit = ReceiveLimit(settings.max_receive_count, settings.is_fifo)
-        self.health = DatabaseHealth(store, self._stop, lambda: self.maintenance.gc_once())
+        self.health = DatabaseHealth(store, self._stop, self._database_back)
         self.batches = BatchProcessor(
             queue, store, registry, self.policy, self.health, fifo=settings.is_fifo,
             visibility_timeout=visibility_timeout, handler_timeout=settings.handler_timeout,
@@ -111,6 +111,11 @@ class Worker:
             log.error("fatal", reason=reason, exit_code=code, **kw)
         self._stop.set()
         self._done.set()
+
+    async def _database_back(self) -> None:
+        # Claims stranded by the outage first: their copies are waiting (service.redrive).
+        await self.batches.executor.release_unreleased()
+        await self.maintenance.gc_once()
 
     @property
     def stopping(self) -> bool:

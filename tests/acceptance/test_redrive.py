@@ -4,9 +4,10 @@ moves a message to the queue's dead-letter queue on the receive after ``maxRecei
 
 - An always-failing message lands in ``dead_letters`` on its last receive, although
   INGEST_MAX_RECEIVE_COUNT (5) is above the queue's maxReceiveCount (3).
-- Two replicas, a slow message delivered twice (its duplicate contended for several
-  visibility periods) and a database outage of several visibility timeouts: nothing
-  reaches the SQS dead-letter queue, every request completes exactly once.
+- Two replicas, a message held in its handler and delivered twice (its duplicate contended
+  for several visibility periods) and a database outage of several visibility timeouts
+  under another one: nothing reaches the SQS dead-letter queue, every request completes
+  exactly once.
 - ``sqs-ingest redrive`` moves planted DLQ messages back, they complete; it refuses a
   queue without a RedrivePolicy.
 """
@@ -28,6 +29,7 @@ import boto3
 import pytest
 
 from tests.acceptance.harness import (
+    CHAOS_HANDLERS,
     REPO,
     Daemon,
     completed_now,
@@ -35,6 +37,7 @@ from tests.acceptance.harness import (
     daemon_env,
     ledger,
     ledger_rows,
+    log_events,
     send_all,
 )
 from tests.servers import postgres_server, wait_until
@@ -91,6 +94,7 @@ def env_for(dsn: str, src: str, endpoint: str, chaos_dir: Path, **extra: str) ->
     the default INGEST_MAX_RECEIVE_COUNT (5), with a 2 s visibility timeout."""
     return daemon_env(dsn, src, endpoint, CHAOS_DIR=str(chaos_dir),
                       INGEST_VISIBILITY_TIMEOUT=str(VISIBILITY), INGEST_CONTENTION_DELAY="1",
+                      INGEST_HANDLERS=f"{CHAOS_HANDLERS},tests.acceptance.redrive_handlers",
                       **extra)
 
 
@@ -193,35 +197,46 @@ async def test_contention_and_an_outage_push_nothing_into_the_sqs_dlq(
                 raise AssertionError(f"{exc}\n" + "\n".join(
                     recent_events(r) for r in replicas)) from None
 
-        # 1. Contention: a slow request delivered twice, the copy sent once the first one
-        #    runs (in one batch the twin would simply wait in flight for it). One replica
-        #    runs it for 10 s; the copy is contended about every second, twice as often as
-        #    maxReceiveCount allows receives.
-        slow = body("slow-1", "chaos.slow", seconds=10)
+        def running(gate: str) -> bool:
+            return (tmp_path / f"running-{gate}").exists()
+
+        def open_gate(gate: str) -> None:
+            (tmp_path / f"open-{gate}").touch()
+
+        # 1. Contention: a request delivered twice, the copy sent once the first one runs
+        #    (in one batch the twin would simply wait in flight with it). Its handler holds
+        #    until the copy was contended twice as often as maxReceiveCount allows receives.
+        slow = body("slow-1", "redrive.gated", gate="g1")
         send_all(sqs, src, [slow])
-        until(lambda: (tmp_path / "invocations.log").exists(), 30, "slow-1 running")
+        until(lambda: running("g1"), 30, "slow-1 running")
         send_all(sqs, src, [slow])
         until(lambda: metric("sqs_ingest_contention_deferrals_total") >= 2 * MAX_RECEIVE_COUNT,
               60, "the duplicate contended six times")
+        open_gate("g1")
         until(lambda: depth(sqs, src) == 0, 60, "slow-1 done, its duplicate acked")
         requeued_by_contention = metric("sqs_ingest_requeued_total")
 
-        # 2. An outage of several visibility timeouts with work in flight: batches caught in
-        #    it are handed back, and afterwards their claims (not released while the
-        #    database was down) keep their copies contended until the own-leak GC frees them.
+        # 2. An outage of several visibility timeouts under a request in its handler (and its
+        #    contended copy), with more work queued: the batch is handed back, and afterwards
+        #    the claims not released while the database was down keep their copies contended
+        #    until the own-leak GC frees them.
         ledgers = {f"l-{i}": ledger(f"l-{i}", f"g{i % 3}", i) for i in range(30)}
-        slow2 = body("slow-2", "chaos.slow", seconds=2)
-        send_all(sqs, src, [slow2, slow2, *ledgers.values(), *list(ledgers.values())[:10]])
-        until(lambda: "slow-2" in (tmp_path / "invocations.log").read_text(), 30,
-              "slow-2 running")
+        slow2 = body("slow-2", "redrive.gated", gate="g2")
+        send_all(sqs, src, [slow2])
+        until(lambda: running("g2"), 30, "slow-2 running")
+        send_all(sqs, src, [slow2, *ledgers.values(), *list(ledgers.values())[:10]])
         pg.stop("immediate")
         until(lambda: all(r.get("/readyz")[0] == 503 for r in replicas), 30, "both not ready")
+        open_gate("g2")  # its transaction now meets the lost connection: an outage
         down_since = time.monotonic()
         until(lambda: time.monotonic() - down_since > 3 * VISIBILITY, 30, "the outage")
         pg.start()
         until(lambda: all(r.ready() for r in replicas), 60, "ready again")
         until(lambda: depth(sqs, src) == 0, 90, "the source queue drained")
         requeued = metric("sqs_ingest_requeued_total")
+        # slow-2's claim, stranded by the outage, was released as soon as it ended (not
+        # after the own-leak GC's 30 s margin, its copies contended all that time).
+        assert any(log_events(r, "claims_released_after_outage") for r in replicas)
         assert [r.stop() for r in replicas] == [0, 0], [r.logs() for r in replicas]
         assert depth(sqs, dlq) == 0
         statuses = await fetch(dsn, "SELECT request_id, status FROM modifications")

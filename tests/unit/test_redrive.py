@@ -324,3 +324,33 @@ def test_a_fresh_copy_carries_body_attributes_group_and_a_dedup_id_of_its_own() 
     assert "DelaySeconds" not in fifo
     assert (fifo["MessageGroupId"], fifo["MessageDeduplicationId"]) == ("g", "requeue-mid-1")
     assert _copy_entry("0", m, 5000, fifo=False)["DelaySeconds"] == 900
+
+
+async def test_claims_stranded_by_an_outage_are_released_once_it_is_back() -> None:
+    from tests.unit.test_executor import RecordingStore, flight_of
+
+    q, store = FakeQueue(), RecordingStore()
+    ex = PlanExecutor(q, store, limit_of(5, 3))
+    flight, claimed = flight_of(q, 2)
+    flight.claimed = claimed
+    await ex.give_back(flight, 3, db_up=False, deferral=True)
+    assert store.released == [] and len(q.requeued) == 2  # down: copies, claims stranded
+    await ex.release_unreleased()  # the database is back
+    assert store.released == [["r0", "r1"]]
+    await ex.release_unreleased()
+    assert store.released == [["r0", "r1"]]  # once
+
+
+async def test_a_failed_release_is_tried_once_more_when_the_database_is_back() -> None:
+    from tests.unit.test_executor import RecordingStore, flight_of
+
+    q, store = FakeQueue(), RecordingStore()
+    ex = PlanExecutor(q, store)
+    flight, claimed = flight_of(q, 1)
+    flight.claimed = claimed
+    store.fail_release = True
+    await ex.give_back(flight, 3, db_up=True)
+    await ex.release_unreleased()  # fails again: left to the own-leak GC
+    store.fail_release = False
+    await ex.release_unreleased()
+    assert store.released == [["r0"], ["r0"]]
