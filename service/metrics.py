@@ -158,10 +158,6 @@ def prime(types: Iterable[str]) -> None:
 
     for table in TABLES:
         pruned_rows.labels(table)
-    from service.prune import TABLES  # the pruner's tables, one series each
-
-    for table in TABLES:
-        pruned_rows.labels(table)
 
 
 Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]
