@@ -183,6 +183,24 @@ ROWS: list[Row] = [
               [(f"sum({rate('sqs_ingest_results_published_total')})", "published/s")],
               unit="ops", description="Result messages published to SNS/SQS per second."),
     ]),
+    Row("Large payloads (S3)", [
+        Panel("S3 fetches",
+              [(f"sum by (outcome) ({rate('sqs_ingest_s3_fetches_total')})", "{{outcome}}")],
+              unit="ops",
+              description="GetObject of payloads the AWS extended clients offloaded to S3 "
+                          "(README 'Large payloads'): fetched, missing (dead letter "
+                          "payload_object_missing), too_large (payload_too_large), error "
+                          "(retried)."),
+        Panel("S3 errors",
+              [(f"sum by (kind) ({rate('sqs_ingest_s3_errors_total')})", "{{kind}}")],
+              unit="ops",
+              description="Transient S3 failures by kind; those messages wait in the queue "
+                          "(alert SqsIngestS3PayloadErrors). access_denied: s3:GetObject on "
+                          "the payload bucket."),
+        Panel("S3 bytes read",
+              [(f"sum({rate('sqs_ingest_s3_fetched_bytes_total')})", "read")],
+              unit="Bps", description="Offloaded payload bytes read from S3 per second."),
+    ]),
     Row("Retention", [
         Panel("Rows pruned",
               [(f"sum by (table) (increase({m('sqs_ingest_pruned_rows_total')}"
