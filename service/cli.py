@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--dry-run", action="store_true")
     rd = sub.add_parser("redrive", help="move the queue's own SQS dead-letter queue (its "
                         "RedrivePolicy) back to the queue, and report progress")
-    rd.add_argument("--dry-run", action="store_true")
+    rd.add_argument("--dry-run", action="store_true",
+                    help="show the dead-letter queue and what would move; change nothing")
     sub.add_parser("reconcile", help="run the PySpark reconciliation (see --help)",
                    add_help=False)
     pr = sub.add_parser("produce", help="send sample messages (dev tool)")
