@@ -123,16 +123,38 @@ class Maintenance:
         """Retention (``service.prune``): a first pass soon after start (replicas that
         restart more often than the interval still prune), then every interval. Its own
         connection per pass; a replica that finds another pruner at work skips the pass."""
-        from service.prune import prune_once
-
         await asyncio.sleep(min(self.s.prune_interval, 60.0) * (0.5 + random.random()))
         while True:
             if self.health.is_up:
-                try:
-                    await prune_once(self.s.database_url, self.s)
-                except DB_ERRORS as exc:
-                    log.warning("prune_failed", error=str(exc)[:500])
+                await self.prune_pass()
             await asyncio.sleep(self.s.prune_interval)
+
+    async def prune_pass(self) -> dict[str, int] | None:
+        """One pass, after the safety rule is checked again against the live queue: the
+        check at start saw the MessageRetentionPeriod of that moment, and an operator may
+        raise it while the daemon runs. A refused pass deletes nothing and logs an error
+        (the daemon keeps ingesting); a queue that cannot be asked allows the pass only
+        when the retentions exceed SQS's maximum, as ``sqs-ingest prune`` does."""
+        from service import prune
+
+        try:
+            attrs = await self.queue.attributes()
+        except TransientError as exc:
+            if not prune.safe_without_queue(self.s):
+                log.warning("prune_skipped", reason="cannot read the queue's "
+                            f"MessageRetentionPeriod: {str(exc)[:300]}")
+                return None
+        else:
+            try:
+                prune.check_retention(self.s, prune.queue_retention(attrs))
+            except prune.RetentionRefused as exc:
+                log.error("prune_refused", error=str(exc))
+                return None
+        try:
+            return await prune.prune_once(self.s.database_url, self.s)
+        except DB_ERRORS as exc:
+            log.warning("prune_failed", error=str(exc)[:500])
+            return None
 
     async def _queue_attributes_loop(self) -> None:
         while True:

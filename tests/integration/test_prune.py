@@ -336,6 +336,30 @@ async def test_the_daemon_prunes_periodically(
     assert value("modifications") - before == 7
 
 
+async def test_each_pass_of_the_daemon_checks_the_queue_s_retention_again(
+    sqs_client: Any, sqs_endpoint: str, database_url: str, db: asyncpg.Connection,
+) -> None:
+    """The daemon started under a queue that keeps messages 4 days, with a 10-day retention.
+    An operator raises the queue's retention to 14 days while it runs: SQS may now redeliver
+    what a pass would delete, so the pass is refused (nothing deleted) — red when only the
+    start checks — and runs again once the queue's retention is back below."""
+    url = sqs_client.create_queue(QueueName="ret-" + uuid.uuid4().hex[:10],
+                                  Attributes={"MessageRetentionPeriod": "345600"})["QueueUrl"]
+    await completed(db, 3, 12, "old")
+    # The loop's own first pass is 30 s or more away: the test drives the passes itself.
+    cfg = make_settings(url, database_url, sqs_endpoint, prune_interval=3600,
+                        retention_days=10, dead_letter_retention_days=10)
+    async with running_worker(cfg) as (worker, _):
+        sqs_client.set_queue_attributes(
+            QueueUrl=url, Attributes={"MessageRetentionPeriod": "1209600"})
+        assert await worker.maintenance.prune_pass() is None
+        assert await db.fetchval("SELECT count(*) FROM modifications") == 3
+        sqs_client.set_queue_attributes(
+            QueueUrl=url, Attributes={"MessageRetentionPeriod": "345600"})
+        assert (await worker.maintenance.prune_pass() or {})["modifications"] == 3
+    assert await db.fetchval("SELECT count(*) FROM modifications") == 0
+
+
 async def test_prune_once_over_a_pool_gives_the_lock_back(
     pool: asyncpg.Pool, db: asyncpg.Connection, database_url: str,
 ) -> None:

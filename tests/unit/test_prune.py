@@ -91,11 +91,49 @@ def test_every_table_series_exists_at_zero() -> None:
             "sqs_ingest_pruned_rows_total", {"table": table}) is not None
 
 
-def maintenance(s: Settings) -> Maintenance:
+class Queue:
+    """The queue side of the pass: its MessageRetentionPeriod, or a failure to say it."""
+
+    def __init__(self, retention: int | None = 345_600) -> None:
+        self.retention = retention
+
+    async def attributes(self) -> dict[str, str]:
+        from service.errors import TransientError
+
+        if self.retention is None:
+            raise TransientError("GetQueueAttributes failed: unreachable")
+        return {"MessageRetentionPeriod": str(self.retention)}
+
+
+def maintenance(s: Settings, queue: Queue | None = None) -> Maintenance:
     health: Any = SimpleNamespace(is_up=True)
-    queue: Any = SimpleNamespace()
     store: Any = SimpleNamespace()
-    return Maintenance(s, queue, store, health, collections.Counter(), 0.0)
+    return Maintenance(s, queue or Queue(), store, health,  # type: ignore[arg-type]
+                       collections.Counter(), 0.0)
+
+
+async def test_each_pass_checks_the_queue_s_retention_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon started under a queue that keeps messages 4 days; an operator raises it to
+    14 while it runs: a 10-day retention could now prune what SQS still redelivers, so the
+    pass is refused (nothing called) until the queue's retention is lowered again."""
+    calls: list[Any] = []
+
+    async def fake(db: Any, s: Settings, **kw: Any) -> dict[str, int]:
+        calls.append(db)
+        return {}
+
+    monkeypatch.setattr(prune, "prune_once", fake)
+    queue = Queue(345_600)
+    m = maintenance(settings(retention_days=10, dead_letter_retention_days=10), queue)
+    assert await m.prune_pass() == {} and len(calls) == 1
+    queue.retention = SQS_MAX_RETENTION
+    assert await m.prune_pass() is None and len(calls) == 1
+    queue.retention = None  # cannot be asked: 10 days is not above SQS's maximum
+    assert await m.prune_pass() is None and len(calls) == 1
+    m15 = maintenance(settings(retention_days=15, dead_letter_retention_days=15), queue)
+    assert await m15.prune_pass() == {} and len(calls) == 2  # above it: safe anyway
 
 
 async def test_the_daemon_prunes_on_and_survives_a_failed_pass(
