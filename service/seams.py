@@ -190,6 +190,3 @@ class OutboxSeam(Protocol):
 
     async def outbox_stats(self) -> tuple[int, float]:
         """(pending rows, age in seconds of the oldest pending row)."""
-
-    async def prune_outbox(self, older_than_seconds: float, limit: int) -> int:
-        """Delete published rows older than the retention; returns how many."""

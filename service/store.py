@@ -337,11 +337,6 @@ class Store:
             r = await conn.fetchrow(Q["outbox_stats"])
         return int(r["pending"]), float(r["oldest_age"])
 
-    async def prune_outbox(self, older_than_seconds: float, limit: int) -> int:
-        async with connection(self.outbox_pool) as conn:
-            status = await conn.execute(Q["outbox_prune"], older_than_seconds, limit)
-        return int(status.split()[-1])
-
 
 def _outbox_row(r: asyncpg.Record) -> OutboxRow:
     return OutboxRow(r["id"], r["request_id"], r["request_type"], r["status"], r["result"],

@@ -429,15 +429,6 @@ class FakeStore:
         age = (datetime.now(UTC) - min(pending)).total_seconds() if pending else 0.0
         return len(pending), age
 
-    async def prune_outbox(self, older_than_seconds: float, limit: int) -> int:
-        self._check()
-        cutoff = time.time() - older_than_seconds
-        old = [r for r in self.db.outbox
-               if r.published_at is not None and r.published_at < cutoff][:limit]
-        for r in old:
-            self.db.outbox.remove(r)
-        return len(old)
-
 
 class FakeSink:
     """An in-memory results destination (``service.results.ResultsSink``): records what

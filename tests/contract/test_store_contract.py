@@ -107,6 +107,18 @@ class RealBackend:
                                      " WHERE request_id = $1", request_id)
         return r["message_attributes"], r["payload_pointer"]
 
+    async def prune_outbox(self, retention_days: float, limit: int) -> int:
+        """One batch of the pruner's outbox step (service.prune; the store no longer
+        deletes published rows itself), in its own transaction as a pass runs it."""
+        from service.prune import STEPS, delete_batch
+        from service.settings import Settings
+
+        step = next(s for s in STEPS if s.table == "outbox")
+        s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+                     results_retention_days=retention_days)
+        async with self.pool.acquire() as conn, conn.transaction():
+            return (await delete_batch(conn, step, s, limit))["outbox"]
+
 
 @pytest.fixture(params=["fake", "postgres"])
 async def backend(request: pytest.FixtureRequest, pg_server: Postgres) -> AsyncIterator[Backend]:
@@ -317,9 +329,11 @@ async def test_publish_marks_only_what_the_destination_accepted(backend: Backend
     assert await a.publish_outbox(half, 10, fifo=False) == (0, 0)
     assert (await a.outbox_stats())[0] == 0
     assert all(published for *_, published in await backend.outbox())
-    assert await a.prune_outbox(3600, 100) == 0  # within the retention: kept
-    assert await a.prune_outbox(0, 5) == 5 and await a.prune_outbox(0, 100) == 7
-    assert await backend.outbox() == []
+    if isinstance(backend, RealBackend):  # published rows go in the pruner's batches
+        assert await backend.prune_outbox(1, 100) == 0  # within the retention: kept
+        assert await backend.prune_outbox(0, 5) == 5
+        assert await backend.prune_outbox(0, 100) == 7
+        assert await backend.outbox() == []
 
 
 async def test_publishers_never_hold_the_same_row_and_keep_a_group_in_order(
