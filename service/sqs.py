@@ -119,8 +119,7 @@ class SqsQueue:
         """
         failed_ids: list[str] = []
         fifo = self.queue_url.rstrip("/").endswith(".fifo")
-        for start in range(0, len(changes), 10):
-            chunk = changes[start : start + 10]
+        for chunk in _by_batch_size(changes):
             entries = [_copy_entry(str(i), m, delay, fifo) for i, (m, delay) in enumerate(chunk)]
             try:
                 resp = await self._client.send_message_batch(
@@ -152,6 +151,44 @@ class SqsQueue:
             kwargs["MessageGroupId"] = group_id
         resp = await self._client.send_message(**kwargs)
         return str(resp["MessageId"])
+
+
+#: SendMessageBatch refuses a whole call (BatchRequestTooLong) whose bodies and attributes add
+#: up to more than the batch payload limit (1 MiB on AWS today; 256 KiB on queues and
+#: emulators that predate it): copies are grouped to stay under the smaller one. A message
+#: that is larger on its own goes alone (it was accepted alone once).
+SEND_BATCH_MAX_BYTES = 256 * 1024
+
+
+def _message_size(m: Received) -> int:
+    """What SQS counts against the batch limit: the body, and each attribute's name, type
+    and value."""
+    size = len(m.body.encode("utf-8", "surrogatepass"))
+    for name, a in (m.message_attributes or {}).items():
+        size += len(name.encode()) + len(str(a.get("DataType", "")).encode())
+        v = a.get("BinaryValue", a.get("StringValue", ""))
+        size += len(v) if isinstance(v, bytes | bytearray) else len(str(v).encode())
+    return size
+
+
+def _by_batch_size(
+    changes: Sequence[tuple[Received, int]],
+) -> list[Sequence[tuple[Received, int]]]:
+    """``changes`` in SendMessageBatch calls of at most 10 entries and
+    ``SEND_BATCH_MAX_BYTES``."""
+    out: list[Sequence[tuple[Received, int]]] = []
+    chunk: list[tuple[Received, int]] = []
+    used = 0
+    for change in changes:
+        size = _message_size(change[0])
+        if chunk and (len(chunk) == 10 or used + size > SEND_BATCH_MAX_BYTES):
+            out.append(chunk)
+            chunk, used = [], 0
+        chunk.append(change)
+        used += size
+    if chunk:
+        out.append(chunk)
+    return out
 
 
 def _copy_entry(entry_id: str, m: Received, delay: int, fifo: bool) -> dict[str, Any]:

@@ -52,3 +52,31 @@ async def test_requeue_sends_a_fresh_copy_and_deletes_the_original(
         left = await q.attributes()
         assert (left["ApproximateNumberOfMessages"],
                 left["ApproximateNumberOfMessagesNotVisible"]) == ("0", "0")
+
+
+async def test_requeue_of_large_messages_splits_the_batch_by_size(localstack: str) -> None:
+    """SendMessageBatch refuses a whole call whose bodies and attributes add up to more than
+    SQS's batch payload limit (BatchRequestTooLong). Ten inline messages of 200 KB each (a
+    common size just under the extended clients' 256 KB threshold) must still be replaced
+    by copies — as one refused call they would all fall back to plain hand-backs and spend
+    their last receives."""
+    async with sqs_client("us-east-1", localstack) as client:
+        url = (await client.create_queue(QueueName=f"requeue-big-{uuid.uuid4().hex[:10]}"))[
+            "QueueUrl"]
+        for i in range(10):
+            await client.send_message(QueueUrl=url, MessageBody=f"{i:02d}" + "x" * 200_000,
+                                      MessageAttributes=ATTRIBUTES)
+        q = SqsQueue(client, url)
+        received: list = []
+        while len(received) < 10:
+            received += await q.receive(10, 1, 60)
+
+        assert await q.requeue([(m, 0) for m in received]) == []
+
+        copies: list = []
+        while len(copies) < 10:
+            copies += await q.receive(10, 1, 60)
+        assert sorted(c.body for c in copies) == sorted(m.body for m in received)
+        assert {c.message_id for c in copies}.isdisjoint(m.message_id for m in received)
+        assert all(c.receive_count == 1 for c in copies)
+        await q.delete_batch(copies)
