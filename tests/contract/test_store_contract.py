@@ -423,3 +423,32 @@ async def test_known_pointers_name_the_request_and_its_status(backend: Backend) 
         "s3://payloads/k2": ("r2", "note", "IN_PROGRESS"),
     }
     assert await a.known_pointers([]) == {}
+
+
+async def test_attributes_with_nul_characters_and_binary_values_are_stored(
+    backend: Backend,
+) -> None:
+    """jsonb cannot hold U+0000: an attribute carrying one (an SNS envelope is whatever the
+    producer wrote into the body; SQS's own checks vary by emulator) must not fail the
+    batch's claim. Parsed from a real-shaped delivery, claimed, read back."""
+    from service.handlers import Registry
+    from service.messages import parse
+
+    reg = Registry()
+    reg.register("note", Note, ok)
+    envelope = {"Type": "Notification", "Message": json.dumps(
+        {"request_id": "r1", "type": "note", "payload": {"n": 1}}),
+        "MessageAttributes": {"k\u0000": {"Type": "String", "Value": "v\u0000"},
+                              "b": {"Type": "Binary", "Value": "AP8="}}}
+    sqs = {"s": {"DataType": "String", "StringValue": "a\u0000b"},
+           "raw": {"DataType": "Binary", "BinaryValue": b"\x00\x01\xff"}}
+    m = parse(Received("m1", "rh", json.dumps(envelope), message_attributes=sqs), reg)
+    assert isinstance(m, Message)
+    a = await backend.store("w-a")
+    assert (await a.claim([m]))["r1"].claimed
+    stored, _ = await backend.carried("r1")
+    assert stored == {
+        "k\\x00": {"DataType": "String", "StringValue": "v\\x00"},
+        "b": {"DataType": "Binary", "BinaryValue": "AP8="},
+        "s": {"DataType": "String", "StringValue": "a\\x00b"},
+        "raw": {"DataType": "Binary", "BinaryValue": "AAH/"}}
