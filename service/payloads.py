@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import orjson
 import structlog
 from aiobotocore.config import AioConfig
@@ -57,6 +58,11 @@ SIZE_ATTRIBUTES = ("ExtendedPayloadSize", "SQSLargePayloadSize")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 S3_KEY_MAX_BYTES = 1024
 _CHUNK = 64 * 1024
+#: What a GetObject and the read of its body raise when S3 or the way to it fails: besides
+#: botocore's and the socket's own, aiohttp's ClientPayloadError for a body cut off before
+#: its Content-Length (aiobotocore wraps only connection errors). All transient.
+_S3_FAILURES: tuple[type[BaseException], ...] = (
+    BotoCoreError, OSError, TimeoutError, aiohttp.ClientError)
 #: S3 answers these for an object (or bucket) that does not exist.
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchBucket"})
 
@@ -198,7 +204,7 @@ class S3Payloads:
                 metrics.s3_fetches.labels("missing").inc()
                 return Refused(p, "payload_object_missing", f"{p.uri}: {_describe(exc)}")
             return self._unreachable(p, exc)
-        except (BotoCoreError, OSError, TimeoutError) as exc:
+        except _S3_FAILURES as exc:
             return self._unreachable(p, exc)
         body = resp["Body"]
         size = resp.get("ContentLength")
@@ -210,7 +216,7 @@ class S3Payloads:
                            f"INGEST_MAX_PAYLOAD_BYTES={self.max_bytes}")
         try:
             data = await _read_exactly(body, size)
-        except (BotoCoreError, OSError, TimeoutError) as exc:
+        except _S3_FAILURES as exc:
             return self._unreachable(p, exc)
         finally:
             body.close()

@@ -52,3 +52,29 @@ async def test_an_unreachable_s3_is_transient() -> None:
     async with s3_client(get_session(), "us-east-1", f"http://127.0.0.1:{free_port()}") as c:
         r = await S3Payloads(c, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
     assert isinstance(r, Unreachable)
+
+
+async def test_a_body_cut_off_mid_stream_is_transient() -> None:
+    """S3 (or a proxy in front of it) closes the connection after part of the body: aiohttp
+    raises its own ClientPayloadError, not an OSError or a BotoCoreError. Transient like
+    any other S3 failure — escaping the fetch it failed the whole batch, inline neighbours
+    included, and on the last receive dead-lettered healthy messages (processing_error)."""
+    import asyncio
+
+    async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # the request's headers (GetObject has no body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n"
+                     b"Content-Type: application/octet-stream\r\n\r\n" + b"{" * 1000)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(cut_short, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with s3_client(get_session(), "us-east-1", f"http://127.0.0.1:{port}") as c:
+            r = await S3Payloads(c, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
+        assert isinstance(r, Unreachable), r
+    finally:
+        server.close()
+        await server.wait_closed()
