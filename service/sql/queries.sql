@@ -47,8 +47,11 @@ SELECT request_id FROM modifications
    FOR UPDATE
 
 -- name: complete
+-- completed_at: when this statement runs, after the handlers (now() would be the start of
+-- the transaction): retention counts from it, and a copy of the message sent while the
+-- handler worked must not outlive the request's row.
 UPDATE modifications AS m
-   SET status = 'COMPLETED', completed_at = now(), result = u.result::jsonb
+   SET status = 'COMPLETED', completed_at = statement_timestamp(), result = u.result::jsonb
   FROM unnest($1::text[], $2::text[]) AS u(request_id, result)
  WHERE m.request_id = u.request_id AND m.owner = $3 AND m.status = 'IN_PROGRESS'
 RETURNING m.request_id
@@ -59,7 +62,7 @@ RETURNING m.request_id
 -- request (FIFO destination's MessageGroupId), aligned with $1.
 WITH done AS (
     UPDATE modifications AS m
-       SET status = 'COMPLETED', completed_at = now(), result = u.result::jsonb
+       SET status = 'COMPLETED', completed_at = statement_timestamp(), result = u.result::jsonb
       FROM unnest($1::text[], $2::text[]) AS u(request_id, result)
      WHERE m.request_id = u.request_id AND m.owner = $3 AND m.status = 'IN_PROGRESS'
     RETURNING m.request_id, m.request_type, m.result, m.completed_at
