@@ -290,13 +290,20 @@ def plan_unresolved(
     claimed by a COMPLETED request is a duplicate (the object was deleted after that
     request's ack, opt-in); one still IN_PROGRESS waits like any contention; otherwise
     the message is a dead letter that keeps its pointer body. S3 failures are deferred
-    with backoff (not the message's fault), never dead-lettered."""
+    with backoff (not the message's fault), never dead-lettered — unless the pointer's
+    request is COMPLETED: then, as for a missing object, the message is its duplicate."""
     from service.plan import INVALID_TYPE_LABEL, Plan
     from service.seams import DeadLetter
 
     plan = Plan()
     for raw, r in unresolved:
         if isinstance(r, Unreachable):
+            done = known.get(r.pointer.uri)
+            if done is not None and done.status == "COMPLETED":
+                # Its request needs no payload: deferred, it would cycle as long as S3
+                # refuses, outliving the request's row (retention) and then applied again.
+                plan.ack(raw, done.request_type, "duplicate")
+                continue
             # Not the message's fault: a deferral (an S3 outage never pushes it to the
             # queue's own DLQ; service.redrive), after the usual backoff.
             plan.defer(raw, policy.backoff(raw.receive_count))
@@ -334,8 +341,10 @@ async def resolve_batch(
             failed.append((m, r))
     if not failed:
         return part, fetched, None
-    missing = [r.pointer.uri for _, r in failed if isinstance(r, Refused)
-               and r.reason == "payload_object_missing" and r.pointer is not None]
+    # Requests these pointers were claimed by: a missing object or an S3 failure is no
+    # obstacle to acking a redelivery of a completed request as its duplicate.
+    missing = [r.pointer.uri for _, r in failed if r.pointer is not None and (
+        isinstance(r, Unreachable) or r.reason == "payload_object_missing")]
     plan = plan_unresolved(failed, await store.known_pointers(missing) if missing else {},
                            policy)
     decided = {m.message_id for m, _ in failed}

@@ -454,3 +454,23 @@ def test_settings_of_offloaded_payloads() -> None:
                      ({"s3_endpoint_url": "s3.example"}, "INGEST_S3_ENDPOINT_URL")):
         with pytest.raises(ConfigError, match=var):
             load_settings(**base, **bad)
+
+
+async def test_a_completed_request_s_pointer_is_a_duplicate_even_while_s3_fails(
+    rig_factory: Any,
+) -> None:
+    """A redelivery of a completed request's pointer needs no payload: acked as a duplicate
+    even when S3 refuses the read. Deferred instead, it would cycle (fresh copies reset its
+    SQS retention) for as long as S3 refuses — past INGEST_RETENTION_DAYS the request's row
+    is pruned and the copy, once readable, applied a second time."""
+    rig = await rig_factory()
+    rig.s3.put("k1", doc("r1"))
+    rig.queue.send(pointer_body("k1"))
+    await until(lambda: not rig.queue.messages, "completed")
+    rig.s3.fail["k1"] = client_error("AccessDenied", 403)
+    before = value(metrics.messages_processed, "note", "duplicate")
+    mid = rig.queue.send(pointer_body("k1"))
+    await until(lambda: not rig.queue.messages
+                or any(i == mid for i, _ in rig.queue.visibility_calls), "settled")
+    assert mid in rig.queue.deleted and not rig.store.dead
+    assert value(metrics.messages_processed, "note", "duplicate") - before == 1
