@@ -47,13 +47,65 @@ CLAIM = 5 * BATCH
 _SQS_ID = re.compile(r"[A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]{1,128}")
 
 
-def result_body(row: OutboxRow) -> str:
-    """The published JSON: {"request_id","type","status","result","reason","completed_at"}."""
+#: What one call and one message may carry: SNS topics and SQS queues take 256 KiB by
+#: default (a topic's or queue's MaximumMessageSize may allow up to 1 MiB; the smaller limit
+#: holds everywhere). A call over it is refused whole (BatchRequestTooLong), so results go in
+#: calls that stay under it, and a result that is larger on its own leaves without its
+#: ``result`` (``result_omitted``): it is in ``modifications.result``.
+MAX_BYTES = 256 * 1024
+
+
+def result_body(row: OutboxRow, omit_result: bool = False) -> str:
+    """The published JSON: {"request_id","type","status","result","reason","completed_at"}
+    (plus ``"result_omitted": "too_large"`` when ``omit_result``)."""
     completed = row.completed_at.astimezone(UTC).isoformat().replace("+00:00", "Z")
-    return orjson.dumps({
+    doc = {
         "request_id": row.request_id, "type": row.request_type, "status": row.status,
-        "result": row.result, "reason": row.reason, "completed_at": completed,
-    }).decode()
+        "result": None if omit_result else row.result, "reason": row.reason,
+        "completed_at": completed,
+    }
+    if omit_result:
+        doc["result_omitted"] = "too_large"
+    return orjson.dumps(doc).decode()
+
+
+def _size(row: OutboxRow, body: str) -> int:
+    """What SNS/SQS count against the limits: the body and the ``request_id`` attribute
+    (name, data type, value)."""
+    return len(body.encode()) + len("request_id") + len("String") + len(row.request_id.encode())
+
+
+def bodies_of(rows: Sequence[OutboxRow]) -> list[str]:
+    """Each row's body; one over ``MAX_BYTES`` on its own is replaced by its form without
+    ``result`` (logged: the destination would refuse it forever)."""
+    out = []
+    for r in rows:
+        body = result_body(r)
+        # UTF-8 takes at most 4 bytes a character: most bodies need no encoding to know.
+        if 4 * (len(body) + len(r.request_id)) + 16 > MAX_BYTES and _size(r, body) > MAX_BYTES:
+            log.warning("result_too_large", request_id=r.request_id, bytes=_size(r, body),
+                        limit=MAX_BYTES, hint="published without its result; read it from "
+                        "modifications.result")
+            body = result_body(r, omit_result=True)
+        out.append(body)
+    return out
+
+
+def calls_of(rows: Sequence[OutboxRow], bodies: Sequence[str]) -> list[list[int]]:
+    """Indexes of ``rows`` per call, in order: at most ``BATCH`` entries and ``MAX_BYTES``."""
+    calls: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, (r, b) in enumerate(zip(rows, bodies, strict=True)):
+        size = _size(r, b)
+        if current and (len(current) == BATCH or used + size > MAX_BYTES):
+            calls.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        calls.append(current)
+    return calls
 
 
 def fifo_id(value: str) -> str:
@@ -83,11 +135,12 @@ def entry(index: int, row: OutboxRow, fifo: bool) -> dict[str, Any]:
 
 
 class ResultsSink(Protocol):
-    """A destination: sends up to ten rows, returns the ids of those accepted."""
+    """A destination: sends up to ten rows (``bodies[i]`` is the message of ``rows[i]``),
+    returns the ids of those accepted."""
 
     fifo: bool
 
-    async def send(self, rows: Sequence[OutboxRow]) -> set[int]: ...
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]: ...
 
 
 def _accepted(rows: Sequence[OutboxRow], resp: dict[str, Any], what: str) -> set[int]:
@@ -108,9 +161,9 @@ class SnsSink:
         self.topic_arn = topic_arn
         self.fifo = topic_arn.endswith(".fifo")
 
-    async def send(self, rows: Sequence[OutboxRow]) -> set[int]:
-        entries = [{**entry(i, r, self.fifo), "Message": result_body(r)}
-                   for i, r in enumerate(rows)]
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
+        entries = [{**entry(i, r, self.fifo), "Message": b}
+                   for i, (r, b) in enumerate(zip(rows, bodies, strict=True))]
         try:
             resp = await self._client.publish_batch(
                 TopicArn=self.topic_arn, PublishBatchRequestEntries=entries)
@@ -127,9 +180,9 @@ class SqsSink:
         self.queue_url = queue_url
         self.fifo = queue_url.rstrip("/").endswith(".fifo")
 
-    async def send(self, rows: Sequence[OutboxRow]) -> set[int]:
-        entries = [{**entry(i, r, self.fifo), "MessageBody": result_body(r)}
-                   for i, r in enumerate(rows)]
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
+        entries = [{**entry(i, r, self.fifo), "MessageBody": b}
+                   for i, (r, b) in enumerate(zip(rows, bodies, strict=True))]
         try:
             resp = await self._client.send_message_batch(QueueUrl=self.queue_url,
                                                          Entries=entries)
@@ -188,17 +241,19 @@ class Publisher:
         return tasks
 
     async def _send(self, rows: list[OutboxRow]) -> set[int]:
-        chunks = [rows[i:i + BATCH] for i in range(0, len(rows), BATCH)]
+        bodies = bodies_of(rows)
+        chunks = [([rows[i] for i in call], [bodies[i] for i in call])
+                  for call in calls_of(rows, bodies)]
         outcomes: list[set[int] | BaseException] = []
         if self.sink.fifo:
-            for chunk in chunks:
+            for chunk_rows, chunk_bodies in chunks:
                 try:
-                    outcomes.append(await self.sink.send(chunk))
+                    outcomes.append(await self.sink.send(chunk_rows, chunk_bodies))
                 except TransientError as exc:
                     outcomes.append(exc)
                     break  # the rest of a group must not overtake what failed
         else:
-            outcomes = await asyncio.gather(*(self.sink.send(c) for c in chunks),
+            outcomes = await asyncio.gather(*(self.sink.send(r, b) for r, b in chunks),
                                             return_exceptions=True)
         sent: set[int] = set()
         for out in outcomes:

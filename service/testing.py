@@ -440,11 +440,13 @@ class FakeSink:
         self.refuse = False
         self.refuse_ids: set[int] = set()
         self.calls = 0
+        self.bodies: list[str] = []
 
-    async def send(self, rows: Sequence[OutboxRow]) -> set[int]:
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str] = ()) -> set[int]:
         from service.errors import TransientError
 
         self.calls += 1
+        self.bodies.extend(bodies)
         await asyncio.sleep(0)  # a real send yields: another publisher may run meanwhile
         if self.refuse:
             raise TransientError("fake destination refuses")

@@ -12,7 +12,16 @@ from pydantic import BaseModel
 
 from service import metrics
 from service.handlers import Registry
-from service.results import Publisher, ResultsSink, entry, fifo_id, result_body
+from service.results import (
+    MAX_BYTES,
+    Publisher,
+    ResultsSink,
+    bodies_of,
+    calls_of,
+    entry,
+    fifo_id,
+    result_body,
+)
 from service.seams import OutboxRow
 from service.settings import Settings
 from service.testing import FakeQueue, FakeSink, FakeStore
@@ -145,3 +154,31 @@ def test_fifo_ids_that_sqs_would_refuse_are_hashed_stably() -> None:
         out = fifo_id(bad)
         assert out.startswith("sha256-") and len(out) == 71 and out == fifo_id(bad)
     assert fifo_id("x" * 128) == "x" * 128
+
+
+def big(i: int, n: int) -> OutboxRow:
+    return OutboxRow(i, f"r-{i}", "note", "COMPLETED", {"blob": "x" * n}, None,
+                     datetime(2026, 11, 26, tzinfo=UTC), None)
+
+
+def test_calls_stay_under_ten_entries_and_the_batch_limit_in_order() -> None:
+    small = [big(i, 10) for i in range(12)]
+    assert calls_of(small, bodies_of(small)) == [list(range(10)), [10, 11]]
+    # Nine of 20 KB and one of 200 KB: 380 KB in one call would be refused whole.
+    mixed = [big(i, 20_000) for i in range(9)] + [big(9, 200_000)]
+    calls = calls_of(mixed, bodies_of(mixed))
+    assert [i for c in calls for i in c] == list(range(10))  # order kept (FIFO)
+    bodies = bodies_of(mixed)
+    for c in calls:
+        assert sum(len(bodies[i]) for i in c) <= MAX_BYTES
+    assert len(calls) == 2
+
+
+def test_a_result_over_the_message_limit_is_published_without_it() -> None:
+    rows = [big(0, MAX_BYTES), big(1, 100)]
+    bodies = bodies_of(rows)
+    doc = json.loads(bodies[0])
+    assert doc["result"] is None and doc["result_omitted"] == "too_large"
+    assert doc["request_id"] == "r-0" and doc["status"] == "COMPLETED"
+    assert json.loads(bodies[1])["result"] == {"blob": "x" * 100}
+    assert "result_omitted" not in json.loads(bodies[1])
