@@ -30,6 +30,7 @@ from service.errors import TransientError
 from service.retry import Backoff, sleep_or_stop
 from service.seams import OutboxRow, OutboxSeam
 from service.settings import Settings
+from service.sqs import SEND_BATCH_MAX_BYTES, batched_by_size
 from service.store import DB_ERRORS
 
 log = structlog.get_logger("sqs_ingest.results")
@@ -50,9 +51,10 @@ _SQS_ID = re.compile(r"[A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]{1,128}")
 #: What one call and one message may carry: SNS topics and SQS queues take 256 KiB by
 #: default (a topic's or queue's MaximumMessageSize may allow up to 1 MiB; the smaller limit
 #: holds everywhere). A call over it is refused whole (BatchRequestTooLong), so results go in
-#: calls that stay under it, and a result that is larger on its own leaves without its
-#: ``result`` (``result_omitted``): it is in ``modifications.result``.
-MAX_BYTES = 256 * 1024
+#: calls that stay under it (``service.sqs.batched_by_size``), and a result that is larger on
+#: its own leaves without its ``result`` (``result_omitted``): it is in
+#: ``modifications.result``.
+MAX_BYTES = SEND_BATCH_MAX_BYTES
 
 
 def result_body(row: OutboxRow, omit_result: bool = False) -> str:
@@ -89,23 +91,6 @@ def bodies_of(rows: Sequence[OutboxRow]) -> list[str]:
             body = result_body(r, omit_result=True)
         out.append(body)
     return out
-
-
-def calls_of(rows: Sequence[OutboxRow], bodies: Sequence[str]) -> list[list[int]]:
-    """Indexes of ``rows`` per call, in order: at most ``BATCH`` entries and ``MAX_BYTES``."""
-    calls: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, (r, b) in enumerate(zip(rows, bodies, strict=True)):
-        size = _size(r, b)
-        if current and (len(current) == BATCH or used + size > MAX_BYTES):
-            calls.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += size
-    if current:
-        calls.append(current)
-    return calls
 
 
 def fifo_id(value: str) -> str:
@@ -241,9 +226,9 @@ class Publisher:
         return tasks
 
     async def _send(self, rows: list[OutboxRow]) -> set[int]:
-        bodies = bodies_of(rows)
-        chunks = [([rows[i] for i in call], [bodies[i] for i in call])
-                  for call in calls_of(rows, bodies)]
+        pairs = list(zip(rows, bodies_of(rows), strict=True))
+        chunks = [([r for r, _ in call], [b for _, b in call])
+                  for call in batched_by_size(pairs, lambda p: _size(*p))]
         outcomes: list[set[int] | BaseException] = []
         if self.sink.fifo:
             for chunk_rows, chunk_bodies in chunks:

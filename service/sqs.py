@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
@@ -14,6 +14,8 @@ from service import tracing
 from service.errors import AckFailed, TransientError
 from service.messages import Received
 from service.seams import QueueSeam
+
+T = TypeVar("T")
 
 __all__ = ["QueueSeam", "SqsQueue", "sqs_client"]
 
@@ -119,7 +121,7 @@ class SqsQueue:
         """
         failed_ids: list[str] = []
         fifo = self.queue_url.rstrip("/").endswith(".fifo")
-        for chunk in _by_batch_size(changes):
+        for chunk in batched_by_size(changes, lambda c: _message_size(c[0])):
             entries = [_copy_entry(str(i), m, delay, fifo) for i, (m, delay) in enumerate(chunk)]
             try:
                 resp = await self._client.send_message_batch(
@@ -171,20 +173,19 @@ def _message_size(m: Received) -> int:
     return size
 
 
-def _by_batch_size(
-    changes: Sequence[tuple[Received, int]],
-) -> list[Sequence[tuple[Received, int]]]:
-    """``changes`` in SendMessageBatch calls of at most 10 entries and
-    ``SEND_BATCH_MAX_BYTES``."""
-    out: list[Sequence[tuple[Received, int]]] = []
-    chunk: list[tuple[Received, int]] = []
+def batched_by_size(items: Sequence[T], size_of: Callable[[T], int]) -> list[list[T]]:
+    """``items`` in order, in batch calls of at most 10 entries and ``SEND_BATCH_MAX_BYTES``
+    (SendMessageBatch, and SNS PublishBatch, which has the same limits); an item larger on
+    its own goes alone."""
+    out: list[list[T]] = []
+    chunk: list[T] = []
     used = 0
-    for change in changes:
-        size = _message_size(change[0])
+    for item in items:
+        size = size_of(item)
         if chunk and (len(chunk) == 10 or used + size > SEND_BATCH_MAX_BYTES):
             out.append(chunk)
             chunk, used = [], 0
-        chunk.append(change)
+        chunk.append(item)
         used += size
     if chunk:
         out.append(chunk)
@@ -205,8 +206,10 @@ def _copy_entry(entry_id: str, m: Received, delay: int, fifo: bool) -> dict[str,
     if fifo:
         entry["MessageGroupId"] = m.group_id or "sqs-ingest-requeue"
         entry["MessageDeduplicationId"] = f"requeue-{m.message_id}"[:128]
-    elif delay > 0:
-        entry["DelaySeconds"] = min(int(delay), 900)
+    else:
+        # Always explicit: without it a delay queue's own DelaySeconds would hold back a copy
+        # meant to be visible at once (a release at shutdown) a second time.
+        entry["DelaySeconds"] = max(0, min(int(delay), 900))
     return entry
 
 

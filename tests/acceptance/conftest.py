@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.acceptance.harness import create_ledger
+from tests.acceptance.harness import Daemon, create_ledger
 
 
 @pytest.fixture
@@ -27,3 +29,19 @@ def make_queue(sqs_client: Any):  # type: ignore[no-untyped-def]
         return str(sqs_client.create_queue(QueueName=name, Attributes=attrs)["QueueUrl"])
 
     return make
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Starts daemons (``spawn(env, name="daemon")``); any still running when the test ends
+    (a failed test) is killed."""
+    started: list[Daemon] = []
+
+    def start(env: dict[str, str], name: str = "daemon") -> Daemon:
+        started.append(Daemon(env, tmp_path, name).start())
+        return started[-1]
+
+    yield start
+    for d in started:
+        if not d.exited():
+            d.kill9()

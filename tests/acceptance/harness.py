@@ -298,6 +298,17 @@ async def ledger_rows(dsn: str) -> list[asyncpg.Record]:
         await conn.close()
 
 
+async def check_group_order(dsn: str, groups: int, per_group: int) -> None:
+    """FIFO: every group's ledger effects in send order (seq 1..per_group, by commit)."""
+    by_group: dict[str, list[int]] = {}
+    for r in await ledger_rows(dsn):
+        by_group.setdefault(r["grp"], []).append(r["seq"])
+    assert len(by_group) == groups, by_group
+    expected = list(range(1, per_group + 1))
+    out_of_order = {g: seqs for g, seqs in by_group.items() if seqs != expected}
+    assert not out_of_order, f"effects out of send order within a group: {out_of_order}"
+
+
 def check_ledger(rows: list[asyncpg.Record], expected: dict[str, tuple[str, int]]) -> None:
     """Each ledger request's effect landed exactly once, with its own payload."""
     counts = Counter(r["request_id"] for r in rows)

@@ -18,6 +18,7 @@ from tests.acceptance.harness import (
     Daemon,
     Workload,
     chaos_seed,
+    check_group_order,
     check_invariants,
     completed_now,
     completed_rows,
@@ -25,7 +26,6 @@ from tests.acceptance.harness import (
     daemon_env,
     fifo_ledger,
     in_flight,
-    ledger_rows,
     log_events,
     queue_depth,
     send_all,
@@ -287,9 +287,4 @@ async def test_fifo_kill_9_keeps_group_order_and_applies_once(
     assert code == 0, d.logs()
     assert sum(1 for n in held_at_kill if n > 0) >= 3, f"messages held at each kill: {held_at_kill}"
     await check_invariants(database_url, w, sqs_client, queue_url)
-    by_group: dict[str, list[int]] = {}
-    for r in await ledger_rows(database_url):
-        by_group.setdefault(r["grp"], []).append(r["seq"])
-    assert len(by_group) == 6, by_group
-    out_of_order = {g: seqs for g, seqs in by_group.items() if seqs != list(range(1, 41))}
-    assert not out_of_order, f"effects out of send order within a group: {out_of_order}"
+    await check_group_order(database_url, groups=6, per_group=40)

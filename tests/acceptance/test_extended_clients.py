@@ -13,8 +13,7 @@ import base64
 import json
 import random
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -92,19 +91,6 @@ def upsert(rid: str, eid: str, size: int, seed: int) -> tuple[str, dict[str, Any
 def echo(rid: str, note: str) -> str:
     return json.dumps({"request_id": rid, "type": "attributes.echo", "payload": {"note": note}})
 
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    started: list[Daemon] = []
-
-    def start(env: dict[str, str]) -> Daemon:
-        started.append(Daemon(env, tmp_path).start())
-        return started[-1]
-
-    yield start
-    for d in started:
-        if not d.exited():
-            d.kill9()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,19 +53,6 @@ def sqs(localstack: str) -> Any:
     return boto3.client("sqs", endpoint_url=localstack, region_name="us-east-1",
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    started: list[Daemon] = []
-
-    def start(env: dict[str, str], name: str = "daemon") -> Daemon:
-        started.append(Daemon(env, tmp_path, name).start())
-        return started[-1]
-
-    yield start
-    for d in started:
-        if not d.exited():
-            d.kill9()
 
 
 def queue_with_dlq(sqs: Any, redrive: bool = True) -> tuple[str, str]:

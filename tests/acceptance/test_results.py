@@ -9,8 +9,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -34,20 +33,6 @@ from tests.servers import wait_until
 #: How long the refusing destination refuses (issue 10: 30 s).
 REFUSE_SECONDS = 30.0
 
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    """Starts daemons; any still running when the test ends (a failed test) is killed."""
-    started: list[Daemon] = []
-
-    def start(env: dict[str, str], name: str = "daemon") -> Daemon:
-        started.append(Daemon(env, tmp_path, name).start())
-        return started[-1]
-
-    yield start
-    for d in started:
-        if not d.exited():
-            d.kill9()
 
 
 def results_queue(sqs: Any, fifo: bool) -> str:

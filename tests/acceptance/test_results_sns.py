@@ -15,8 +15,7 @@ import json
 import random
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -58,19 +57,6 @@ class SlowAnswer(FaultProxy):
             self.holding -= 1
         return resp
 
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    started: list[Daemon] = []
-
-    def start(env: dict[str, str], name: str = "daemon") -> Daemon:
-        started.append(Daemon(env, tmp_path, name).start())
-        return started[-1]
-
-    yield start
-    for d in started:
-        if not d.exited():
-            d.kill9()
 
 
 @pytest.fixture

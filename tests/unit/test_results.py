@@ -17,7 +17,6 @@ from service.results import (
     Publisher,
     ResultsSink,
     bodies_of,
-    calls_of,
     entry,
     fifo_id,
     result_body,
@@ -161,17 +160,35 @@ def big(i: int, n: int) -> OutboxRow:
                      datetime(2026, 11, 26, tzinfo=UTC), None)
 
 
-def test_calls_stay_under_ten_entries_and_the_batch_limit_in_order() -> None:
+async def test_calls_stay_under_ten_entries_and_the_batch_limit_in_order() -> None:
+    async def calls(rows: list[OutboxRow]) -> list[list[str]]:
+        sink = FakeSinkCalls()
+        pub = Publisher(FakeStore(results=True), sink)
+        await pub._send(rows)
+        return sink.call_bodies
+
     small = [big(i, 10) for i in range(12)]
-    assert calls_of(small, bodies_of(small)) == [list(range(10)), [10, 11]]
+    assert [len(c) for c in await calls(small)] == [10, 2]
     # Nine of 20 KB and one of 200 KB: 380 KB in one call would be refused whole.
     mixed = [big(i, 20_000) for i in range(9)] + [big(9, 200_000)]
-    calls = calls_of(mixed, bodies_of(mixed))
-    assert [i for c in calls for i in c] == list(range(10))  # order kept (FIFO)
-    bodies = bodies_of(mixed)
-    for c in calls:
-        assert sum(len(bodies[i]) for i in c) <= MAX_BYTES
-    assert len(calls) == 2
+    got = await calls(mixed)
+    assert len(got) == 2
+    assert [json.loads(b)["request_id"] for c in got for b in c] == [
+        f"r-{i}" for i in range(10)]  # order kept (FIFO)
+    for c in got:
+        assert sum(len(b) for b in c) <= MAX_BYTES
+
+
+class FakeSinkCalls(FakeSink):
+    """Records the bodies of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call_bodies: list[list[str]] = []
+
+    async def send(self, rows: Any, bodies: Any = ()) -> set[int]:
+        self.call_bodies.append(list(bodies))
+        return await super().send(rows, bodies)
 
 
 def test_a_result_over_the_message_limit_is_published_without_it() -> None:
