@@ -11,6 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ENV_PREFIX = "INGEST_"
 # SQS refuses a visibility timeout beyond 12 hours.
 SQS_MAX_VISIBILITY = 43_200
+#: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
+#: retention, must stay a timestamp (and ``inf`` is no interval). A century.
+MAX_RETENTION_DAYS = 36_500
 
 
 class ConfigError(Exception):
@@ -106,15 +109,15 @@ class Settings(BaseSettings):
     results_queue_url: str | None = None
     results_endpoint_url: str | None = None
     results_publishers: int = Field(2, ge=1, le=32)
-    results_retention_days: float = Field(7.0, ge=0)
+    results_retention_days: float = Field(7.0, ge=0, le=MAX_RETENTION_DAYS)
     results_send_timeout: float = Field(10.0, gt=0)
-    retention_days: float = Field(30.0, gt=0)
-    prune_interval: float = Field(3600.0, ge=0)
+    retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
+    prune_interval: float = Field(3600.0, ge=0, allow_inf_nan=False)
     prune_batch_size: int = Field(5000, ge=1, le=100_000)
-    prune_pause: float = Field(0.0, ge=0)
-    dead_letter_retention_days: float = Field(30.0, gt=0)
-    reconcile_retention_days: float = Field(90.0, gt=0)
-    worker_retention_days: float = Field(7.0, gt=0)
+    prune_pause: float = Field(0.0, ge=0, allow_inf_nan=False)
+    dead_letter_retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
+    reconcile_retention_days: float = Field(90.0, gt=0, le=MAX_RETENTION_DAYS)
+    worker_retention_days: float = Field(7.0, gt=0, le=MAX_RETENTION_DAYS)
 
     @field_validator("database_url")
     @classmethod
