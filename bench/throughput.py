@@ -8,7 +8,8 @@
     BASELINE=62e8dcf^ .venv/bin/python bench/throughput.py  # + old vs new code, interleaved
 
 Starts a throwaway PostgreSQL (tests/servers.py) and LocalStack's SQS in host mode (no
-Docker; its venv .venv-localstack, made by scripts/localstack-venv.sh if missing), preloads N
+Docker; LocalStack 2026.3.0 on Python 3.13 in bench/.venv-localstack, made by
+scripts/localstack-venv.sh if missing; without a 3.13 the tests' venv), preloads N
 messages (~300-byte ``entity.upsert`` bodies) into a fresh queue for each phase and
 measures, one after the other:
 
@@ -146,11 +147,36 @@ def make_body(run: str, i: int) -> str:
 # -- LocalStack (host mode): tests/servers.py, venv from scripts/localstack-venv.sh -------
 
 
+BENCH_LOCALSTACK = ("2026.3.0", BENCH / ".venv-localstack")
+
+
+def _python313() -> str | None:
+    """pyenv's 3.13 (what BENCHMARKS.md measured with), or LOCALSTACK_PYTHON."""
+    if os.environ.get("LOCALSTACK_PYTHON"):
+        return os.environ["LOCALSTACK_PYTHON"]
+    try:
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        root = os.path.expanduser("~/.pyenv")
+    py = Path(root) / "versions" / "3.13.0" / "bin" / "python3"
+    return str(py) if py.exists() else None
+
+
 @contextlib.contextmanager
 def localstack_server() -> Iterator[LocalStack]:
-    """SQS only: the other services would cost CPU the drains compete for."""
-    subprocess.run([str(ROOT / "scripts" / "localstack-venv.sh")], check=True)
-    with _localstack_server("sqs") as ls:
+    """SQS only: the other services would cost CPU the drains compete for. LocalStack
+    2026.3.0 on Python 3.13 in bench/.venv-localstack when this machine has a 3.13 (the
+    figures in BENCHMARKS.md); otherwise the tests' venv (4.13.1 on the system Python)."""
+    script = str(ROOT / "scripts" / "localstack-venv.sh")
+    py = _python313()
+    if py:
+        version, venv = BENCH_LOCALSTACK
+        subprocess.run([script, str(venv), version, py], check=True)
+    else:
+        subprocess.run([script], check=True)
+        venv = ROOT / ".venv-localstack"
+    with _localstack_server("sqs", venv) as ls:
         yield ls
 
 

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# LocalStack (host mode, no Docker) for the tests that need realistic SQS, SNS or S3 and for
-# `make bench`: its own venv at .venv-localstack, apart from the project's (LocalStack pins its
-# own botocore). Interpreter: $LOCALSTACK_PYTHON, else pyenv's 3.13 (measured here), else
-# python3 (localstack-core requires >= 3.10). Idempotent.
+# LocalStack in host mode (no Docker), in its own venv (LocalStack pins its own botocore):
+#
+#   scripts/localstack-venv.sh [VENV [VERSION [PYTHON]]]
+#
+# Defaults — what `make install` builds for the tests: .venv-localstack, localstack-core
+# 4.13.1, the system python3. 4.13.1 is the newest release that runs on Debian 12's Python
+# 3.11 (later ones use 3.12 syntax despite declaring >= 3.10); the LocalStack-backed tests
+# pass on it. `make bench` builds bench/.venv-localstack with 2026.3.0 on Python 3.13 (what
+# BENCHMARKS.md measured), if this machine has one. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-localstack
-PACKAGES=('localstack-core[runtime]==2026.3.0' 'cbor2<6' 'pyopenssl<25' 'cryptography<45' service-identity)
+VENV=${1:-.venv-localstack}
+VERSION=${2:-4.13.1}
+py=${3:-${LOCALSTACK_PYTHON:-python3}}
+PACKAGES=("localstack-core[runtime]==$VERSION" 'cbor2<6' 'pyopenssl<25' 'cryptography<45' service-identity)
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import localstack.runtime.main' 2>/dev/null; then
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.localstack-version" 2>/dev/null)" = "$VERSION" ] \
+   && "$VENV/bin/python" -c 'import localstack.runtime.main, localstack.aws.components' 2>/dev/null; then
   exit 0
 fi
-py=${LOCALSTACK_PYTHON:-}
-if [ -z "$py" ]; then
-  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-  for cand in "$root"/versions/3.13*/bin/python3; do
-    [ -x "$cand" ] && py=$cand && break
-  done
-fi
-py=${py:-python3}
-echo "localstack-venv: creating $VENV with $("$py" --version 2>&1)"
+echo "localstack-venv: creating $VENV (localstack-core $VERSION) with $("$py" --version 2>&1)"
 rm -rf "$VENV"
-"$py" -m venv "$VENV"
+"$py" -m venv "$VENV" || { apt-get install -y -qq python3-venv >/dev/null && "$py" -m venv "$VENV"; }
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
-"$VENV/bin/python" -c 'import localstack.runtime.main'
+# Importing the components is what fails on an interpreter too old for this release.
+"$VENV/bin/python" -c 'import localstack.runtime.main, localstack.aws.components'
+echo "$VERSION" > "$VENV/.localstack-version"

@@ -147,23 +147,24 @@ def moto_server() -> Iterator[str]:
 
 # -- LocalStack in host mode (no Docker) ------------------------------------------------
 # Where realistic SQS behaviour, SNS or S3 matter (redrive to a DLQ, message-move tasks,
-# extended-client payloads in S3). LocalStack needs Python 3.13: scripts/install.sh builds
-# its own venv at .venv-localstack (pyenv's 3.13, or LOCALSTACK_PYTHON); the benchmarks use
-# the same venv.
+# extended-client payloads in S3). scripts/install.sh builds its venv at .venv-localstack
+# (scripts/localstack-venv.sh: localstack-core 4.13.1 on the system Python, as on a fresh
+# Debian 12); LOCALSTACK_VENV points the tests at another one. The benchmarks pass their own.
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCALSTACK_VENV = ROOT / ".venv-localstack"
+LOCALSTACK_VENV = Path(os.environ.get("LOCALSTACK_VENV") or ROOT / ".venv-localstack")
 LOCALSTACK_PACKAGES = [
     "localstack-core[runtime]==2026.3.0", "cbor2<6", "pyopenssl<25", "cryptography<45",
     "service-identity",
 ]
 
 
-def localstack_python() -> Path:
+def localstack_python(venv: Path | None = None) -> Path:
     """The venv's interpreter; raises with the command that creates it if it is missing."""
-    py = LOCALSTACK_VENV / "bin" / "python"
+    venv = venv or LOCALSTACK_VENV
+    py = venv / "bin" / "python"
     if not py.exists():
-        raise RuntimeError(f"LocalStack venv missing at {LOCALSTACK_VENV}: run scripts/install.sh "
+        raise RuntimeError(f"LocalStack venv missing at {venv}: run scripts/install.sh "
                            "(or scripts/localstack-venv.sh)")
     return py
 
@@ -177,9 +178,10 @@ class LocalStack:
 
 
 @contextlib.contextmanager
-def localstack_server(services: str = "sqs,sns,s3") -> Iterator[LocalStack]:
+def localstack_server(services: str = "sqs,sns,s3",
+                      venv: Path | None = None) -> Iterator[LocalStack]:
     """LocalStack's gateway on a free loopback port, serving ``services``; ready in ~2 s."""
-    py = localstack_python()
+    py = localstack_python(venv)
     tmp = tempfile.mkdtemp(prefix="localstack-")
     port = free_port()
     env = {
