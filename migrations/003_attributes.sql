@@ -11,5 +11,5 @@ ALTER TABLE modifications ADD COLUMN message_attributes jsonb;
 -- and ack (INGEST_S3_DELETE_AFTER_ACK), a redelivered pointer finds its request here and
 -- is acked as a duplicate instead of dead-lettered as payload_object_missing.
 ALTER TABLE modifications ADD COLUMN payload_pointer text;
-CREATE INDEX modifications_payload_pointer_idx ON modifications (payload_pointer)
+CREATE INDEX IF NOT EXISTS modifications_payload_pointer_idx ON modifications (payload_pointer)
     WHERE payload_pointer IS NOT NULL;

@@ -6,7 +6,7 @@
 -- the table. Partial where the table holds rows that are never pruned (IN_PROGRESS claims,
 -- unpublished results, unreplayed dead letters), so those never cost the pruner a visit.
 
-CREATE INDEX modifications_prune_idx
+CREATE INDEX IF NOT EXISTS modifications_prune_idx
     ON modifications (completed_at) WHERE status = 'COMPLETED';
 
 -- A completed request whose id a dead letter carries is kept while the letter is
@@ -14,18 +14,18 @@ CREATE INDEX modifications_prune_idx
 -- meet its request and be a duplicate). The pruner asks this once per candidate row: an
 -- index probe, whatever the statistics say. A hash index: a dead letter's request_id may
 -- be far longer than a btree entry can hold (request_id_too_long keeps it as sent).
-CREATE INDEX dead_letters_request_idx ON dead_letters USING hash (request_id);
-CREATE INDEX dead_letters_prune_idx
+CREATE INDEX IF NOT EXISTS dead_letters_request_idx ON dead_letters USING hash (request_id);
+CREATE INDEX IF NOT EXISTS dead_letters_prune_idx
     ON dead_letters (replayed_at) WHERE replayed_at IS NOT NULL;
 
 -- Counts of a request that stopped coming back (SQS retention ran out while it failed).
-CREATE INDEX retry_attempts_prune_idx ON retry_attempts (updated_at);
+CREATE INDEX IF NOT EXISTS retry_attempts_prune_idx ON retry_attempts (updated_at);
 
-CREATE INDEX workers_prune_idx ON workers (heartbeat_at);
+CREATE INDEX IF NOT EXISTS workers_prune_idx ON workers (heartbeat_at);
 
-CREATE INDEX reconciliation_runs_prune_idx ON reconciliation_runs (finished_at);
+CREATE INDEX IF NOT EXISTS reconciliation_runs_prune_idx ON reconciliation_runs (finished_at);
 
-CREATE INDEX outbox_prune_idx ON outbox (published_at) WHERE published_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS outbox_prune_idx ON outbox (published_at) WHERE published_at IS NOT NULL;
 
 -- Reconciliation stays exact on pruned tables: per entity, the winner (highest version;
 -- on a tie the one completed first, then the lowest id — transforms.replay_entities'

@@ -114,3 +114,27 @@ async def test_an_applied_migration_changed_since_is_refused(
     proc = _sqs_ingest("run", dsn)
     assert proc.returncode == 1
     assert first.filename in proc.stdout + proc.stderr
+
+
+async def test_indexes_built_concurrently_beforehand_are_taken_by_the_migration(
+    pg_server: Postgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README "Indexes on a large table": an operator builds a migration's indexes online
+    (CREATE INDEX CONCURRENTLY, same name) before `migrate`; the migration must then apply
+    (IF NOT EXISTS), not fail on an index that already exists."""
+    dsn = await empty_db(pg_server)
+    older = tmp_path / "older"
+    older.mkdir()
+    for path in migrations_dir().glob("*.sql"):
+        if int(path.name.split("_", 1)[0]) < 4:
+            shutil.copy(path, older / path.name)
+    monkeypatch.setattr(migrate_module, "migrations_dir", lambda: older)
+    await migrate(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("CREATE INDEX CONCURRENTLY IF NOT EXISTS modifications_prune_idx"
+                           " ON modifications (completed_at) WHERE status = 'COMPLETED'")
+    finally:
+        await conn.close()
+    monkeypatch.undo()
+    assert [m.version for m in await migrate(dsn)] == [4]
