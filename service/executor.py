@@ -82,12 +82,14 @@ class PlanExecutor:
         # One line per batch, at debug only (a no-op call at info).
         log.debug("batch_processed", received=len(flight.batch), released=len(plan.releases),
                   **collections.Counter(o for _, o in plan.outcomes))
-        if plan.releases:
-            await self.change_visibility(plan.releases)
-            flight.resolve([r for r, _ in plan.releases])
-        if plan.deferrals:
-            await self.hand_back(plan.deferrals)
-            flight.resolve([r for r, _ in plan.deferrals])
+        # Releases and the deferrals that need no fresh copy: one ChangeMessageVisibility
+        # call, as before deferrals had a name of their own.
+        back = [*plan.releases, *await self._copy(plan.deferrals)] if plan.deferrals \
+            else plan.releases
+        if back:
+            await self.change_visibility(back)
+        if plan.releases or plan.deferrals:
+            flight.resolve([r for r, _ in (*plan.releases, *plan.deferrals)])
 
     async def change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
         failed = await self.queue.change_visibility_batch(changes)
@@ -98,14 +100,24 @@ class PlanExecutor:
 
     async def hand_back(self, changes: Sequence[tuple[Received, int]]) -> None:
         """Messages deferred through no fault of their own: visible again after their delay,
-        except those a hand-back would bring too close to the queue's maxReceiveCount: a
-        fresh copy replaces each of them (``ReceiveLimit.must_requeue``). A copy that
-        could not be sent falls back to the plain hand-back."""
+        except those ``_copy`` replaces with fresh copies."""
+        plain = await self._copy(changes)
+        if plain:
+            await self.change_visibility(plain)
+
+    async def _copy(
+        self, changes: Sequence[tuple[Received, int]]
+    ) -> list[tuple[Received, int]]:
+        """Sends a fresh copy of each message a hand-back would bring too close to the
+        queue's maxReceiveCount (``ReceiveLimit.must_requeue``); returns the others, and
+        those whose copy could not be sent, for the plain hand-back."""
         limit = self.limit
-        fresh = [(m, d) for m, d in changes if limit is not None
-                 and limit.must_requeue(m.receive_count)]
-        plain = [(m, d) for m, d in changes if limit is None
-                 or not limit.must_requeue(m.receive_count)]
+        if limit is None:
+            return list(changes)
+        fresh: list[tuple[Received, int]] = []
+        plain: list[tuple[Received, int]] = []
+        for change in changes:
+            (fresh if limit.must_requeue(change[0].receive_count) else plain).append(change)
         if fresh:
             failed = set(await self.queue.requeue(fresh))
             if len(failed) < len(fresh):
@@ -116,8 +128,7 @@ class PlanExecutor:
                 metrics.sqs_errors.labels("requeue").inc(len(failed))
                 log.warning("requeue_failed", message_ids=sorted(failed))
                 plain += [(m, d) for m, d in fresh if m.message_id in failed]
-        if plain:
-            await self.change_visibility(plain)
+        return plain
 
     async def release_unreleased(self) -> None:
         """Once the database is back: release the claims of batches given back during the
