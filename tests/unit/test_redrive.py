@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -133,12 +134,15 @@ async def test_hand_back_requeues_near_the_limit_and_releases_the_rest() -> None
     q.messages[near.message_id].receive_count = 6
     near = Received(near.message_id, near.receipt_handle, near.body, 6)
     # maxReceiveCount 10, 5 tries: from receive 6 a hand-back would cost a try.
-    await PlanExecutor(q, FakeStore(), limit_of(5, 10)).hand_back([(far, 3), (near, 3)])
+    before = time.monotonic()
+    await PlanExecutor(q, FakeStore(), limit_of(5, 10)).hand_back([(far, 3), (near, 7)])
+    after = time.monotonic()
     assert q.visibility_calls == [(far.message_id, 3)]
     assert q.requeued == [near.message_id] and near.message_id not in q.messages
     [copy] = [m for m in q.messages.values() if m.body == "near"]
     assert copy.receive_count == 0
-    assert copy.visible_at > 0  # keeps its delay (DelaySeconds)
+    # The copy keeps its own delay (DelaySeconds=7), not 0 and not the other message's 3.
+    assert before + 7 <= copy.visible_at <= after + 7
 
 
 async def test_hand_back_falls_back_to_visibility_when_the_copy_is_refused() -> None:

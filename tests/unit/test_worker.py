@@ -186,6 +186,10 @@ async def test_transient_failure_backs_off_then_dead_letters(harness: Harness) -
     await until(lambda: mid not in q.messages, "dead-lettered and acked")
     letter = harness.store.dead[mid]
     assert letter.reason == "max_receives_exceeded"
+    # max_receive_count=3: two failures are retried (a hand-back each), the third is the
+    # dead letter, on the third receive. An off-by-one limit changes these numbers.
+    assert [d for m, d in q.visibility_calls if m == mid] == [1, 2]
+    assert letter.receive_count == 3
     assert "handler refuses" in (letter.error or "")
     assert "bad" not in harness.store.rows  # claim released, nothing IN_PROGRESS
 
