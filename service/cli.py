@@ -1,4 +1,4 @@
-"""Argument parsing only: run, migrate, gc, prune, dlq, reconcile, produce."""
+"""Argument parsing only: run, migrate, gc, prune, dlq, reconcile, produce, schema, handlers."""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="show the dead-letter queue and what would move; change nothing")
     sub.add_parser("reconcile", help="run the PySpark reconciliation (see --help)",
                    add_help=False)
+    sub.add_parser("schema", help="print the JSON Schema of a message body: the envelope and "
+                   "each registered type's payload model (reference handlers + INGEST_HANDLERS)")
+    sub.add_parser("handlers", help="list the registered message types (reference handlers + "
+                   "INGEST_HANDLERS), with their payload model and handler")
     pr = sub.add_parser("produce", help="send sample messages (dev tool)")
     pr.add_argument("--count", type=int, default=20)
     pr.add_argument("--seed", type=int, default=1)
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         from service import redrive
 
         return _run_async(redrive.main(settings, args.dry_run))
+    if args.command in ("schema", "handlers"):
+        return _describe(settings, args.command)
     if args.command == "produce":
         from service import produce
 
@@ -155,9 +161,34 @@ def _settings_for(args: argparse.Namespace) -> Settings:
     )
     if db_only and not os.environ.get("INGEST_QUEUE_URL"):
         return load_settings(queue_url=NO_QUEUE)
+    if args.command in ("schema", "handlers"):  # read the registry only: no queue, no database
+        return load_settings(**{k: v for k, v in (("queue_url", NO_QUEUE),
+                                                  ("database_url", NO_DATABASE))
+                                if not os.environ.get(f"INGEST_{k.upper()}")})
     if args.command == "redrive" and not os.environ.get("INGEST_DATABASE_URL"):
         return load_settings(database_url=NO_DATABASE)  # SQS calls only
     return load_settings()
+
+
+def _describe(settings: Settings, command: str) -> int:
+    """The registry the daemon would run with: reference handlers + INGEST_HANDLERS."""
+    import json
+
+    from service import schema
+    from service.handlers import default_registry, load_handler_modules, load_reference_handlers
+
+    load_reference_handlers()
+    try:
+        load_handler_modules(settings.handler_modules)
+    except Exception as exc:  # as in `run`: user code that cannot import is a config error
+        print(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if command == "schema":
+        print(json.dumps(schema.document(default_registry), indent=2, sort_keys=False))
+    else:
+        print("\n".join(schema.handler_lines(default_registry)))
+    return 0
 
 
 def _run_async(coro: Coroutine[Any, Any, int]) -> int:
