@@ -17,7 +17,7 @@ stop:
 ## make run: local PostgreSQL + moto SQS, migrations, sample messages, daemon in the foreground
 run: services
 	source .run/env && export INGEST_LOG_FORMAT=$${INGEST_LOG_FORMAT:-console} INGEST_LOG_LEVEL=$${INGEST_LOG_LEVEL:-debug} \
-	  INGEST_HTTP_PORT=$${INGEST_HTTP_PORT:-9102} \
+	  INGEST_HTTP_PORT=$${INGEST_HTTP_PORT:-9102} INGEST_S3_BUCKETS=$${INGEST_S3_BUCKETS:-sqs-ingest-payloads} \
 	  && $(VENV)/bin/sqs-ingest migrate \
 	  && $(VENV)/bin/sqs-ingest produce --count 20 \
 	  && exec $(VENV)/bin/sqs-ingest run

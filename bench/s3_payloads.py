@@ -119,6 +119,7 @@ def drain(pg: Any, endpoint: str, n: int, size: int, inflight: int, tag: str) ->
            "INGEST_SQS_ENDPOINT_URL": endpoint, "INGEST_HTTP_PORT": str(port),
            "INGEST_HTTP_HOST": "127.0.0.1", "INGEST_MAX_INFLIGHT_BATCHES": str(inflight),
            "INGEST_LOG_LEVEL": "warning", "INGEST_PRUNE_INTERVAL": "0",
+           "INGEST_S3_BUCKETS": bucket,
            **{k: v for k, v in os.environ.items() if k == "INGEST_MAX_PAYLOAD_BYTES"},
            "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "PYTHONPATH": str(ROOT)}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,8 @@ from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import metrics
+from service.s3access import BUCKET_NAME as _BUCKET
+from service.s3access import BUCKETS_VARIABLE, AllowList
 
 if TYPE_CHECKING:
     from service.messages import Received
@@ -55,7 +56,6 @@ _MARK = "S3Pointer"
 #: The extended clients' size attributes (current, legacy); kept with the other attributes.
 SIZE_ATTRIBUTES = ("ExtendedPayloadSize", "SQSLargePayloadSize")
 #: S3's own limits: what no object can have cannot be fetched (and would not fit an index).
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 S3_KEY_MAX_BYTES = 1024
 _CHUNK = 64 * 1024
 #: What a GetObject and the read of its body raise when S3 or the way to it fails: besides
@@ -96,7 +96,9 @@ class Refused:
     missing object, its request is already known: see ``plan_unresolved``)."""
 
     pointer: Pointer | None
-    reason: str  # payload_object_missing | payload_too_large | invalid_envelope
+    # payload_object_missing | payload_too_large | invalid_envelope |
+    # payload_bucket_not_allowed | payload_unreadable
+    reason: str
     error: str
 
 
@@ -109,7 +111,6 @@ class Unreachable:
 
 
 Resolution = Fetched | Refused | Unreachable
-
 
 def find_pointer(body: str) -> Pointer | Refused | None:
     """The pointer in a raw body or in the ``Message`` of an SNS envelope; a Refused for a
@@ -176,10 +177,19 @@ def _missing(exc: ClientError) -> bool:
 class S3Payloads:
     """Fetches (and, opt-in, deletes) offloaded payloads through an aiobotocore S3 client."""
 
-    def __init__(self, client: Any, max_bytes: int, delete_after_ack: bool = False) -> None:
+    def __init__(
+        self, client: Any, max_bytes: int, delete_after_ack: bool = False, *,
+        allowed: AllowList | str = "", expected_owner: str | None = None,
+    ) -> None:
         self._client = client
         self.max_bytes = max_bytes
         self.delete_after_ack = delete_after_ack
+        self.allowed = AllowList.parse(allowed) if isinstance(allowed, str) else allowed
+        # ExpectedBucketOwner on every call: a bucket of that name in another account
+        # (deleted and re-created by someone else) is refused by S3 itself.
+        self._owner: dict[str, str] = \
+            {"ExpectedBucketOwner": expected_owner} if expected_owner else {}
+        self._warned_unset = False
 
     async def resolve(self, batch: Sequence[Received]) -> dict[str, Resolution]:
         """message_id → resolution for the pointers of a batch, fetched concurrently. A batch
@@ -197,8 +207,18 @@ class S3Payloads:
         return dict(zip(found, done, strict=True))
 
     async def fetch(self, p: Pointer) -> Resolution:
+        if not self.allowed.admits(p):
+            # Checked before any S3 call: a bucket outside the list is never read.
+            if not self.allowed and not self._warned_unset:
+                self._warned_unset = True
+                log.warning("s3_pointers_not_read",
+                            hint=f"set {BUCKETS_VARIABLE} to the buckets the producers "
+                                 "offload to; pointers are dead-lettered as "
+                                 "payload_bucket_not_allowed until then")
+            # No GetObject: counted by dead_letters_total{reason} alone.
+            return Refused(p, "payload_bucket_not_allowed", self.allowed.why_not(p.uri))
         try:
-            resp = await self._client.get_object(Bucket=p.bucket, Key=p.key)
+            resp = await self._client.get_object(Bucket=p.bucket, Key=p.key, **self._owner)
         except ClientError as exc:
             if _missing(exc):
                 metrics.s3_fetches.labels("missing").inc()
@@ -237,7 +257,8 @@ class S3Payloads:
         if not pointers:
             return
         results = await asyncio.gather(
-            *(self._client.delete_object(Bucket=p.bucket, Key=p.key) for p in pointers),
+            *(self._client.delete_object(Bucket=p.bucket, Key=p.key, **self._owner)
+              for p in pointers),
             return_exceptions=True)
         for p, res in zip(pointers, results, strict=True):
             if isinstance(res, BaseException):

@@ -69,6 +69,10 @@ class Settings(BaseSettings):
             (default: ``sqs_endpoint_url``).
         max_payload_bytes: largest S3-offloaded payload read (checked before reading);
             a larger one is dead-lettered as ``payload_too_large``.
+        s3_buckets: the buckets (``bucket`` or ``bucket/prefix``, comma-separated) S3
+            pointers may be read from; a pointer elsewhere is dead-lettered unread as
+            ``payload_bucket_not_allowed``. Unset: no pointer is read.
+        s3_expected_owner: account id passed as ``ExpectedBucketOwner`` on every S3 call.
         s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
             committed and acked (default: keep it; expire it with a lifecycle rule).
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
@@ -105,6 +109,8 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     max_payload_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=2**31)
     s3_delete_after_ack: bool = False
+    s3_buckets: str = ""
+    s3_expected_owner: str | None = None
     results_topic_arn: str | None = None
     results_queue_url: str | None = None
     results_endpoint_url: str | None = None
@@ -165,6 +171,21 @@ class Settings(BaseSettings):
     @classmethod
     def _s3_endpoint(cls, v: str | None) -> str | None:
         return cls._endpoint(v)
+
+    @field_validator("s3_buckets")
+    @classmethod
+    def _s3_buckets(cls, v: str) -> str:
+        from service.s3access import AllowList
+
+        AllowList.parse(v)  # ValueError names the entry
+        return v
+
+    @field_validator("s3_expected_owner")
+    @classmethod
+    def _s3_owner(cls, v: str | None) -> str | None:
+        if v and not (len(v) == 12 and v.isdigit()):
+            raise ValueError("must be a 12-digit AWS account id")
+        return v or None
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

@@ -155,7 +155,8 @@ async def test_offloaded_payloads_through_sqs_and_sns_land_exactly_as_sent(
     p.publish(env_topic, echo("r-echo", "hi"), always=True, attributes={"tenant": TENANT})
     p.send(url, echo("r-echo-sqs", "hi"), always=True, attributes={"tenant": TENANT})
 
-    d = spawn(daemon_env(database_url, url, localstack, INGEST_HANDLERS=HANDLERS))
+    d = spawn(daemon_env(database_url, url, localstack, INGEST_HANDLERS=HANDLERS,
+                         INGEST_S3_BUCKETS=p.bucket))
     conn = await asyncpg.connect(database_url)
     try:
         await wait_for(conn, "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'",
@@ -210,6 +211,7 @@ async def test_unreadable_pointers_are_dead_letters_and_a_redelivery_after_delet
     p.send(url, body, attributes=keyed(f"keep-{tag}"))
 
     d = spawn(daemon_env(database_url, url, localstack, INGEST_HANDLERS=HANDLERS,
+                         INGEST_S3_BUCKETS=p.bucket,
                          INGEST_MAX_PAYLOAD_BYTES=str(1024 * 1024),
                          INGEST_S3_DELETE_AFTER_ACK="true"))
     conn = await asyncpg.connect(database_url)
@@ -274,6 +276,7 @@ async def test_an_s3_outage_hands_pointers_back_until_s3_answers_again(
     p.plain_sqs.send_message(QueueUrl=url, MessageBody=upsert("r-inline", "e-inline", 500, 9)[0])
     with S3Outage(localstack) as s3:
         d = spawn(daemon_env(database_url, url, localstack, INGEST_HANDLERS=HANDLERS,
+                             INGEST_S3_BUCKETS=p.bucket,
                              INGEST_S3_ENDPOINT_URL=s3.url, INGEST_RETRY_BASE_SECONDS="1",
                              INGEST_RETRY_MAX_SECONDS="2"))
         conn = await asyncpg.connect(database_url)

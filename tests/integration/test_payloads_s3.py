@@ -32,7 +32,7 @@ async def client(localstack: str) -> AsyncIterator[Any]:
 
 
 async def test_what_s3_answers_becomes_the_right_outcome(client: Any, bucket: str) -> None:
-    payloads = S3Payloads(client, max_bytes=65_536)
+    payloads = S3Payloads(client, max_bytes=65_536, allowed=f"{bucket},no-such-{bucket}")
     big = await payloads.fetch(Pointer(bucket, "big"))
     assert isinstance(big, Refused) and big.reason == "payload_too_large"
     payloads.max_bytes = 1 << 20
@@ -50,7 +50,7 @@ async def test_an_unreachable_s3_is_transient() -> None:
     from tests.servers import free_port
 
     async with s3_client(get_session(), "us-east-1", f"http://127.0.0.1:{free_port()}") as c:
-        r = await S3Payloads(c, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
+        r = await S3Payloads(c, 1 << 20, allowed="payloads").fetch(Pointer("payloads", "k"))
     assert isinstance(r, Unreachable)
 
 
@@ -73,7 +73,7 @@ async def test_a_body_cut_off_mid_stream_is_transient() -> None:
     port = server.sockets[0].getsockname()[1]
     try:
         async with s3_client(get_session(), "us-east-1", f"http://127.0.0.1:{port}") as c:
-            r = await S3Payloads(c, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
+            r = await S3Payloads(c, 1 << 20, allowed="payloads").fetch(Pointer("payloads", "k"))
         assert isinstance(r, Unreachable), r
     finally:
         server.close()

@@ -116,11 +116,13 @@ class FakeS3:
         self.max_in_flight = 0
         self.events = events if events is not None else []
         self.latency = 0.0
+        self.calls: list[tuple[str, str, str, dict[str, Any]]] = []  # (op, bucket, key, kw)
 
     def put(self, key: str, data: bytes, bucket: str = "payloads") -> None:
         self.objects[(bucket, key)] = data
 
-    async def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+    async def get_object(self, Bucket: str, Key: str, **kw: Any) -> dict[str, Any]:
+        self.calls.append(("get", Bucket, Key, kw))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -136,10 +138,16 @@ class FakeS3:
         finally:
             self.in_flight -= 1
 
-    async def delete_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+    async def delete_object(self, Bucket: str, Key: str, **kw: Any) -> dict[str, Any]:
+        self.calls.append(("delete", Bucket, Key, kw))
         self.events.append(f"s3-delete:{Key}")
         self.objects.pop((Bucket, Key), None)
         return {}
+
+
+def s3p(client: Any, max_bytes: int = 1 << 20) -> S3Payloads:
+    """S3Payloads allowed to read the tests' bucket."""
+    return S3Payloads(client, max_bytes, allowed="payloads")
 
 
 def value(counter: Any, *labels: str) -> float:
@@ -150,7 +158,7 @@ async def test_fetch_reads_the_object_after_checking_its_size() -> None:
     s3 = FakeS3()
     s3.put("k", b"x" * 200_000)
     before = value(metrics.s3_fetched_bytes)
-    r = await S3Payloads(s3, max_bytes=200_000).fetch(Pointer("payloads", "k"))
+    r = await s3p(s3, 200_000).fetch(Pointer("payloads", "k"))
     assert isinstance(r, Fetched) and r.data == b"x" * 200_000
     assert value(metrics.s3_fetched_bytes) - before == 200_000
     assert s3.bodies[0].closed
@@ -160,7 +168,7 @@ async def test_too_large_is_refused_without_reading_the_body() -> None:
     s3 = FakeS3()
     s3.put("big", b"x" * 5000)
     before = value(metrics.s3_fetches, "too_large")
-    r = await S3Payloads(s3, max_bytes=4999).fetch(Pointer("payloads", "big"))
+    r = await s3p(s3, 4999).fetch(Pointer("payloads", "big"))
     assert isinstance(r, Refused) and r.reason == "payload_too_large" and "5000 bytes" in r.error
     assert s3.bodies[0].reads == 0 and s3.bodies[0].closed
     assert value(metrics.s3_fetches, "too_large") - before == 1
@@ -176,22 +184,22 @@ async def test_other_s3_errors_are_transient_and_counted(exc: BaseException, kin
     s3 = FakeS3()
     s3.fail["k"] = exc
     before = value(metrics.s3_errors, kind)
-    r = await S3Payloads(s3, max_bytes=1 << 20).fetch(Pointer("payloads", "k"))
+    r = await s3p(s3, 1 << 20).fetch(Pointer("payloads", "k"))
     assert isinstance(r, Unreachable)
     assert value(metrics.s3_errors, kind) - before == 1
 
 
 async def test_missing_object_and_truncated_stream() -> None:
     s3 = FakeS3()
-    r = await S3Payloads(s3, max_bytes=1 << 20).fetch(Pointer("payloads", "gone"))
+    r = await s3p(s3, 1 << 20).fetch(Pointer("payloads", "gone"))
     assert isinstance(r, Refused) and r.reason == "payload_object_missing"
     assert "s3://payloads/gone" in r.error
     s3.put("cut", b"y" * 100)
     s3.truncate["cut"] = 60
-    assert isinstance(await S3Payloads(s3, 1 << 20).fetch(Pointer("payloads", "cut")), Unreachable)
+    assert isinstance(await s3p(s3).fetch(Pointer("payloads", "cut")), Unreachable)
     s3.put("long", b"z" * 100)
     s3.short_length["long"] = 1  # the stream does not end where its length says
-    assert isinstance(await S3Payloads(s3, 1 << 20).fetch(Pointer("payloads", "long")),
+    assert isinstance(await s3p(s3).fetch(Pointer("payloads", "long")),
                       Unreachable)
 
 
@@ -203,7 +211,7 @@ async def test_a_batch_s_pointers_are_fetched_concurrently() -> None:
         s3.put(f"k{i}", doc(f"r{i}"))
         batch.append(Received(f"m{i}", "rh", pointer_body(f"k{i}")))
     batch.append(Received("plain", "rh", doc("inline").decode()))
-    resolved = await S3Payloads(s3, 1 << 20).resolve(batch)
+    resolved = await s3p(s3).resolve(batch)
     assert sorted(resolved) == [f"m{i}" for i in range(10)]  # the plain body costs no call
     assert s3.max_in_flight == 10
 
@@ -271,7 +279,8 @@ class Rig:
     """A worker over FakeQueue + FakeStore + FakeS3."""
 
     def __init__(self, *, max_bytes: int = 1 << 20, delete_after_ack: bool = False,
-                 fifo: bool = False) -> None:
+                 fifo: bool = False, allowed: str = "payloads",
+                 expected_owner: str | None = None) -> None:
         self.events: list[str] = []
         self.queue = AckRecordingQueue(self.events, fifo)
         self.store = FakeStore()
@@ -280,7 +289,9 @@ class Rig:
         url = "http://127.0.0.1:1/q.fifo" if fifo else "http://127.0.0.1:1/q"
         self.worker = Worker(settings(pollers=1, queue_url=url), self.queue, self.store,
                              note_registry(self.seen), visibility_timeout=30, rng=lambda: 0.0,
-                             payloads=S3Payloads(self.s3, max_bytes, delete_after_ack))
+                             payloads=S3Payloads(self.s3, max_bytes, delete_after_ack,
+                                                 allowed=allowed,
+                                                 expected_owner=expected_owner))
         self.task: asyncio.Task[int] | None = None
 
     async def stop(self) -> int:
@@ -474,3 +485,73 @@ async def test_a_completed_request_s_pointer_is_a_duplicate_even_while_s3_fails(
                 or any(i == mid for i, _ in rig.queue.visibility_calls), "settled")
     assert mid in rig.queue.deleted and not rig.store.dead
     assert value(metrics.messages_processed, "note", "duplicate") - before == 1
+
+
+# -- the allow-list (INGEST_S3_BUCKETS) ---------------------------------------------------
+
+
+async def test_a_pointer_outside_the_allow_list_is_dead_lettered_unread(
+    rig_factory: Any,
+) -> None:
+    """The object exists in the other bucket (and under the other prefix) and the fake S3
+    would serve it: it is never fetched, the message is a dead letter on its first receive
+    that keeps the pointer body byte for byte, and nothing of it is applied."""
+    rig = await rig_factory(allowed="payloads/tenant-a/")
+    rig.s3.put("tenant-a/k1", doc("r1"))
+    rig.s3.put("k2", doc("r2"), bucket="elsewhere")
+    rig.s3.put("tenant-ab/k3", doc("r3"))
+    ok = rig.queue.send(pointer_body("tenant-a/k1"))
+    other = pointer_body("k2", bucket="elsewhere")
+    prefix = pointer_body("tenant-ab/k3")
+    m_other, m_prefix = rig.queue.send(other), rig.queue.send(sns(prefix))
+    await until(lambda: not rig.queue.messages, "drained")
+    assert {k: (d.reason, d.body) for k, d in rig.store.dead.items()} == {
+        m_other: ("payload_bucket_not_allowed", other),
+        m_prefix: ("payload_bucket_not_allowed", sns(prefix))}
+    assert "INGEST_S3_BUCKETS=payloads/tenant-a/" in rig.store.dead[m_other].error
+    assert [(c[1], c[2]) for c in rig.s3.calls] == [("payloads", "tenant-a/k1")]
+    assert set(rig.store.rows) == {"r1"} and ok in rig.queue.deleted
+    # On the first receive: never handed back, acked once its letter was committed.
+    assert not [i for i, _ in rig.queue.visibility_calls if i in (m_other, m_prefix)]
+    assert {m_other, m_prefix} <= set(rig.queue.deleted)
+
+
+async def test_unset_allow_list_reads_no_pointer_and_names_the_variable(
+    rig_factory: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    rig = await rig_factory(allowed="")
+    rig.s3.put("k1", doc("r1"))
+    body = pointer_body("k1")
+    mids = [rig.queue.send(body), rig.queue.send(body)]
+    rig.queue.send(doc("inline").decode())
+    await until(lambda: not rig.queue.messages, "drained")
+    assert {k: (d.reason, d.body) for k, d in rig.store.dead.items()} == {
+        m: ("payload_bucket_not_allowed", body) for m in mids}
+    assert "INGEST_S3_BUCKETS is not set" in rig.store.dead[mids[0]].error
+    assert rig.s3.calls == [] and set(rig.store.rows) == {"inline"}
+    assert capsys.readouterr().out.count("s3_pointers_not_read") == 1  # one line, not one each
+
+
+async def test_expected_bucket_owner_goes_with_every_s3_call(rig_factory: Any) -> None:
+    rig = await rig_factory(expected_owner="123456789012", delete_after_ack=True)
+    rig.s3.put("k1", doc("r1"))
+    rig.queue.send(pointer_body("k1"))
+    await until(lambda: ("payloads", "k1") not in rig.s3.objects, "fetched and deleted")
+    assert [(c[0], c[3]) for c in rig.s3.calls] == [
+        ("get", {"ExpectedBucketOwner": "123456789012"}),
+        ("delete", {"ExpectedBucketOwner": "123456789012"})]
+
+
+def test_settings_of_the_allow_list() -> None:
+    from service.s3access import AllowList
+    from service.settings import ConfigError, load_settings
+
+    base = {"queue_url": "http://127.0.0.1:1/q", "database_url": "postgresql://u@h/d"}
+    s = load_settings(**base, s3_buckets=" payloads , other/in/", s3_expected_owner="000000000000")
+    assert AllowList.parse(s.s3_buckets).entries == (("payloads", ""), ("other", "in/"))
+    assert load_settings(**base).s3_buckets == ""
+    for bad, var in (({"s3_buckets": "payloads,Bad_Bucket"}, "INGEST_S3_BUCKETS"),
+                     ({"s3_buckets": "/prefix"}, "INGEST_S3_BUCKETS"),
+                     ({"s3_expected_owner": "acme"}, "INGEST_S3_EXPECTED_OWNER")):
+        with pytest.raises(ConfigError, match=var):
+            load_settings(**base, **bad)
