@@ -18,6 +18,7 @@ from collections.abc import Callable
 import structlog
 
 from service import metrics, tracing
+from service.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
 from service.dbhealth import DatabaseHealth
 from service.errors import AckFailed, DatabaseUnavailable, TransientError
 from service.executor import InFlight, PlanExecutor
@@ -258,6 +259,8 @@ class BatchProcessor:
             res = await self.store.apply(
                 to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching
             )
+        if res.completed:
+            crash_point(AFTER_COMMIT_BEFORE_DELETE)  # tests only (service.crashpoint)
         plan = settle(res, self.policy)
         if res.blocked:
             await self.store.release(res.blocked)

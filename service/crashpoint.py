@@ -1,0 +1,25 @@
+"""Crash points for the chaos tests; inert unless ``INGEST_TEST_CRASH_AT`` is set.
+
+``INGEST_TEST_CRASH_AT=after_commit_before_delete``: the process kills itself (SIGKILL, as
+``kill -9`` would) the first time a batch's transaction has committed and none of its
+messages has been deleted yet — the moment exactly-once exists for. Before dying it writes
+one line, ``crash_point <name>``, to stderr, so a test can tell that the crash happened
+there. For tests only (tests/acceptance/test_crash_point.py): never set it in a deployment.
+The variable is read once, at import; unset, ``crash_point`` compares one constant.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+AFTER_COMMIT_BEFORE_DELETE = "after_commit_before_delete"
+
+_AT = os.environ.get("INGEST_TEST_CRASH_AT") or None
+
+
+def crash_point(name: str) -> None:
+    if _AT != name:
+        return
+    os.write(2, f"crash_point {name}: SIGKILL (INGEST_TEST_CRASH_AT)\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,98 @@
+"""The moment exactly-once exists for, made to happen on purpose: the daemon dies right
+after a batch's commit and before any of its deletes (INGEST_TEST_CRASH_AT, service.crashpoint);
+restarted, it meets each committed message again and resolves it as a duplicate — no effect
+twice. And the ledger check's broken twin: a handler that applies twice turns it red."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import asyncpg
+import pytest
+
+from tests.acceptance.harness import (
+    Daemon,
+    Workload,
+    check_ledger,
+    daemon_env,
+    ledger,
+    ledger_rows,
+    queue_depth,
+    send_all,
+    wait_drained,
+)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+CRASH = "after_commit_before_delete"
+
+
+def ledger_only(w: Workload, n: int, prefix: str) -> list[str]:
+    """``n`` ledger appends (the counting effect), each sent once, recorded in ``w``."""
+    out = []
+    for i in range(n):
+        rid, group = f"{prefix}-{i}", f"g{i % 4}"
+        w.valid[rid] = ("ledger.append", group, i)
+        out.append(ledger(rid, group, i))
+    return out
+
+
+async def completed_ids(dsn: str) -> set[str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {r["request_id"] for r in await conn.fetch(
+            "SELECT request_id FROM modifications WHERE status = 'COMPLETED'")}
+    finally:
+        await conn.close()
+
+
+async def test_crash_after_commit_before_delete_resolves_as_duplicates(
+    sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, spawn: Any
+) -> None:
+    queue_url = make_queue(visibility=5)
+    w = Workload()
+    bodies = ledger_only(w, 40, "c")
+    send_all(sqs_client, queue_url, bodies)
+    env = daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1")
+    d: Daemon = spawn({**env, "INGEST_TEST_CRASH_AT": CRASH})
+    # It died by its own SIGKILL, at the crash point (its line is the last thing it wrote).
+    assert d.wait(60) == -signal.SIGKILL, d.logs()
+    marker = f"crash_point {CRASH}: SIGKILL (INGEST_TEST_CRASH_AT)"
+    assert d.full_logs().rstrip().endswith(marker), d.logs()
+    # ...after a commit: the batch's requests are COMPLETED and their effects are there...
+    committed = await completed_ids(database_url)
+    assert committed, "the crash came before any commit"
+    check_ledger(await ledger_rows(database_url), {r: w.valid[r][1:] for r in committed})
+    # ...and before any delete: every message sent is still on the queue.
+    assert queue_depth(sqs_client, queue_url) == len(bodies)
+
+    d.env.pop("INGEST_TEST_CRASH_AT")
+    d.start()
+    wait_drained(sqs_client, queue_url, [d])
+    # Each committed message came back and was resolved as a duplicate (acked, not applied);
+    # the rest were applied once by the new process.
+    processed = "sqs_ingest_messages_processed_total"
+    assert d.metric(processed, outcome="duplicate") >= len(committed)
+    assert d.metric(processed, outcome="completed") == len(bodies) - len(committed)
+    assert d.stop() == 0, d.logs()
+    check_ledger(await ledger_rows(database_url), w.ledger_entries())
+
+
+async def test_the_ledger_check_sees_a_handler_that_applies_twice(
+    sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, spawn: Any
+) -> None:
+    """The broken twin: the same workload through a ledger handler whose effect escapes the
+    transaction and whose first attempt fails — every request's effect lands twice."""
+    queue_url = make_queue(visibility=5)
+    w = Workload()
+    send_all(sqs_client, queue_url, ledger_only(w, 10, "b"))
+    env = daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1",
+                     INGEST_HANDLERS="tests.acceptance.broken_ledger_handlers")
+    d = spawn(env)
+    wait_drained(sqs_client, queue_url, [d])
+    assert d.stop() == 0, d.logs()
+    rows = await ledger_rows(database_url)
+    assert len(rows) == 2 * len(w.ledger_entries())  # the twin really applied twice
+    with pytest.raises(AssertionError, match="effects applied more than once"):
+        check_ledger(rows, w.ledger_entries())
