@@ -18,7 +18,7 @@ from service.handlers import default_registry, load_handler_modules, load_refere
 from service.migrate import SchemaBehind, check_schema
 from service.payloads import S3Payloads, s3_client
 from service.retry import Backoff
-from service.settings import Settings, redact_dsn
+from service.settings import Settings
 from service.sqs import SqsQueue, sqs_client
 from service.store import CONNECTION_ERRORS, Store, create_pool
 from service.worker import EXIT_FATAL, Worker
@@ -88,7 +88,7 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
         runner = await metrics.start_http(
             metrics.make_app(state.healthy, state.ready), settings.http_host, settings.http_port
         )
-    log.info("starting", database=redact_dsn(settings.database_url), queue=settings.queue_url,
+    log.info("starting", database=settings.database_redacted, queue=settings.queue_url,
              http_port=settings.http_port)
     try:
         return await _with_database(settings, state)
@@ -104,7 +104,7 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
 
 async def _with_database(settings: Settings, state: _Startup) -> int:
     pool = await _retry(
-        "database", lambda: create_pool(settings.database_url, settings.db_pool_size), state.stop
+        "database", lambda: create_pool(settings.database_dsn, settings.db_pool_size), state.stop
     )
     if pool is None:
         return 0
@@ -116,11 +116,11 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
         print(f"sqs-ingest: {exc}", flush=True)
         return EXIT_FATAL
     state.db = True
-    control_pool = await create_pool(settings.database_url, 2)
+    control_pool = await create_pool(settings.database_dsn, 2)
     pools = [pool, control_pool]
     if settings.results_enabled:
         # The publisher holds a connection across each send: its own, one per loop.
-        pools.append(await create_pool(settings.database_url, settings.results_publishers + 1))
+        pools.append(await create_pool(settings.database_dsn, settings.results_publishers + 1))
     store = Store(pool, control_pool=control_pool, results=settings.results_enabled,
                   outbox_pool=pools[2] if settings.results_enabled else None)
     try:

@@ -87,13 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         from service.reconcile.cli import main as reconcile_main
 
         return reconcile_main(argv[1:])
+    from service.secrets import safe, scrubbing_excepthook
     from service.settings import ConfigError
 
+    sys.excepthook = scrubbing_excepthook  # an unforeseen traceback: no password in it
     args = _parser().parse_args(argv)
     try:
         settings = _settings_for(args)
     except ConfigError as exc:
-        print(f"sqs-ingest: {exc}", file=sys.stderr)
+        print(f"sqs-ingest: {safe(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG
 
     from service.logs import configure_logging
@@ -106,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             load_handler_modules(settings.handler_modules)
         except Exception as exc:  # any import-time failure of user code is a config error
-            print(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
-                  f"{type(exc).__name__}: {exc} (install the module, or add its directory "
-                  f"to PYTHONPATH)", file=sys.stderr)
+            print(safe(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
+                       f"{type(exc).__name__}: {exc} (install the module, or add its "
+                       f"directory to PYTHONPATH)"), file=sys.stderr)
             return EXIT_CONFIG
         if not settings.tracing:
             return diagnose.guard(settings, lambda: _run_async(
@@ -205,16 +207,16 @@ async def _migrate(settings: Settings) -> int:
     import asyncpg
 
     from service.migrate import MigrationChanged, migrate
-    from service.settings import redact_dsn
+    from service.secrets import safe
 
     try:
-        applied = await migrate(settings.database_url)
+        applied = await migrate(settings.database_dsn)
     except MigrationChanged as exc:
-        print(f"sqs-ingest: migrate refused: {exc}", file=sys.stderr)
+        print(safe(f"sqs-ingest: migrate refused: {exc}"), file=sys.stderr)
         return 1
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        print(f"sqs-ingest: migrate failed on {redact_dsn(settings.database_url)}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(safe(f"sqs-ingest: migrate failed on {settings.database_redacted}: "
+                   f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     print(f"applied {len(applied)} migration(s)" + (
         ": " + ", ".join(f"{m.version:03d}_{m.name}" for m in applied) if applied else ""))
@@ -224,25 +226,25 @@ async def _migrate(settings: Settings) -> int:
 async def _gc(settings: Settings) -> int:
     import asyncpg
 
-    from service.settings import redact_dsn
+    from service.secrets import safe
     from service.store import Store, create_pool
 
     try:
-        pool = await create_pool(settings.database_url, 2)
+        pool = await create_pool(settings.database_dsn, 2)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        print(f"sqs-ingest: gc cannot connect to {redact_dsn(settings.database_url)}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(safe(f"sqs-ingest: gc cannot connect to {settings.database_redacted}: "
+                   f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     try:
         store = Store(pool, worker_id="gc-cli")
         rows = await store.gc(settings.worker_lease)
     except asyncpg.PostgresError as exc:
-        print(f"sqs-ingest: gc failed: {exc}", file=sys.stderr)
+        print(safe(f"sqs-ingest: gc failed: {exc}"), file=sys.stderr)
         return 1
     finally:
         await pool.close()
     for r in rows:
-        print(f"released request_id={r['request_id']} owner={r['owner']} "
-              f"sqs_message_id={r['sqs_message_id']}")
+        print(safe(f"released request_id={r['request_id']} owner={r['owner']} "
+                   f"sqs_message_id={r['sqs_message_id']}"))
     print(f"released {len(rows)} orphaned claim(s)")
     return 0

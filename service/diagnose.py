@@ -30,7 +30,7 @@ from botocore.exceptions import (
 
 from service.errors import IngestError
 from service.migrate import SchemaBehind
-from service.settings import redact_dsn
+from service.secrets import safe
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -128,7 +128,7 @@ def explain(exc: BaseException, settings: Settings) -> Diagnosis | None:
     k = kind(exc)
     if k is None:
         return None
-    db = redact_dsn(settings.database_url)
+    db = settings.database_redacted
     where = settings.sqs_endpoint_url or f"AWS {settings.aws_region}"
     cause = next((e for e in _chain(exc) if not isinstance(e, IngestError)), exc)
     lines = {
@@ -189,7 +189,7 @@ def is_permanent(exc: BaseException) -> bool:
 
 def report(diagnosis: Diagnosis) -> int:
     """Print the line on stderr (the one place an operator looks first) and return the code."""
-    print(f"sqs-ingest: {diagnosis.line}", file=sys.stderr, flush=True)
+    print(safe(f"sqs-ingest: {diagnosis.line}"), file=sys.stderr, flush=True)
     return diagnosis.exit_code
 
 

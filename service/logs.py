@@ -12,12 +12,18 @@ from typing import Any
 
 import orjson
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
 
-from service import tracing
+from service import secrets, tracing
 
 
 def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
+
+
+def _orjson_dumps_inert(obj: Any, default: Any = None) -> str:
+    # JSON escapes C0 controls itself; DEL, C1 and bidi characters it would leave raw.
+    return secrets.inert_json(_orjson_dumps(obj, default))
 
 
 def configure_logging(fmt: str = "json", level: str = "info", trace_ids: bool = False) -> None:
@@ -28,12 +34,23 @@ def configure_logging(fmt: str = "json", level: str = "info", trace_ids: bool = 
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # Tracebacks without local variables: structlog's dict_tracebacks (and rich, in the
+    # console renderer) print every frame's locals, where a DSN or a payload may sit.
+    # Then every string of the event is scrubbed of the passwords this process knows.
     if fmt == "console":
-        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+        processors += [
+            structlog.processors.format_exc_info,  # plain text, no locals
+            secrets.scrub_event,
+            # Message data (request ids, errors) must not drive the operator's terminal.
+            secrets.inert_event(keep=("exception",)),
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+        ]
     else:
         processors += [
-            structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(serializer=_orjson_dumps),
+            structlog.processors.ExceptionRenderer(
+                ExceptionDictTransformer(show_locals=False)),
+            secrets.scrub_event,
+            structlog.processors.JSONRenderer(serializer=_orjson_dumps_inert),
         ]
     structlog.configure(
         processors=processors,

@@ -151,7 +151,7 @@ class Maintenance:
                 log.error("prune_refused", error=str(exc))
                 return None
         try:
-            return await prune.prune_once(self.s.database_url, self.s)
+            return await prune.prune_once(self.s.database_dsn, self.s)
         except DB_ERRORS as exc:
             log.warning("prune_failed", error=str(exc)[:500])
             return None

@@ -242,29 +242,29 @@ async def command(settings: Settings, dry_run: bool, queue_url_set: bool = True)
     from botocore.exceptions import BotoCoreError, ClientError
 
     from service.errors import TransientError
-    from service.settings import redact_dsn
+    from service.secrets import safe
 
     try:
         if not queue_url_set:
             raise TransientError("INGEST_QUEUE_URL is not set")
         check_retention(settings, await _ask_queue(settings))
     except RetentionRefused as exc:
-        print(f"sqs-ingest: {exc}", file=sys.stderr)
+        print(safe(f"sqs-ingest: {exc}"), file=sys.stderr)
         return 2
     except (TransientError, BotoCoreError, ClientError, OSError) as exc:  # cannot ask
         if not safe_without_queue(settings):
-            print(f"sqs-ingest: prune refused: cannot read the queue's MessageRetentionPeriod"
-                  f" ({type(exc).__name__}: {str(exc)[:300]}) and INGEST_RETENTION_DAYS / "
-                  f"INGEST_DEAD_LETTER_RETENTION_DAYS do not exceed SQS's maximum (14 days)",
-                  file=sys.stderr)
+            print(safe(f"sqs-ingest: prune refused: cannot read the queue's "
+                       f"MessageRetentionPeriod ({type(exc).__name__}: {str(exc)[:300]}) and "
+                       f"INGEST_RETENTION_DAYS / INGEST_DEAD_LETTER_RETENTION_DAYS do not exceed"
+                       f" SQS's maximum (14 days)"), file=sys.stderr)
             return 1
         log.warning("prune_queue_unchecked", error=f"{type(exc).__name__}: {str(exc)[:300]}",
                     reason="retentions exceed SQS's maximum MessageRetentionPeriod")
     try:
-        counts = await prune_once(settings.database_url, settings, dry_run=dry_run)
+        counts = await prune_once(settings.database_dsn, settings, dry_run=dry_run)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        print(f"sqs-ingest: prune failed on {redact_dsn(settings.database_url)}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(safe(f"sqs-ingest: prune failed on {settings.database_redacted}: "
+                   f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     if counts is None:
         print("another pruner holds the lock (a daemon replica or a prune run): nothing done")

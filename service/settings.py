@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
-from typing import Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service import secrets
 
 ENV_PREFIX = "INGEST_"
 # SQS refuses a visibility timeout beyond 12 hours.
@@ -25,7 +38,13 @@ class Settings(BaseSettings):
 
     Attributes:
         queue_url: the SQS queue to drain (required).
-        database_url: ``postgresql://`` DSN of the target database (required).
+        database_url: the target database (required), a secret: a ``postgresql://`` URL or a
+            libpq ``key=value`` string, from ``INGEST_DATABASE_URL`` or the file named by
+            ``INGEST_DATABASE_URL_FILE``; ``INGEST_DATABASE_PASSWORD`` /
+            ``INGEST_DATABASE_PASSWORD_FILE`` (a password, or an RDS-managed JSON secret
+            ``{"username", "password"}``) override its credentials. Held canonical
+            (percent-encoded); use :attr:`database_dsn` to connect and
+            :attr:`database_redacted` to print.
         sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
         aws_region: region for the SQS client.
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
@@ -82,7 +101,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     queue_url: str
-    database_url: str
+    database_url: SecretStr
+    database_url_file: Path | None = None
+    database_password: SecretStr | None = None
+    database_password_file: Path | None = None
     sqs_endpoint_url: str | None = None
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
@@ -125,12 +147,17 @@ class Settings(BaseSettings):
     reconcile_retention_days: float = Field(90.0, gt=0, le=MAX_RETENTION_DAYS)
     worker_retention_days: float = Field(7.0, gt=0, le=MAX_RETENTION_DAYS)
 
-    @field_validator("database_url")
+    @model_validator(mode="before")
     @classmethod
-    def _postgres_dsn(cls, v: str) -> str:
-        if not v.startswith(("postgresql://", "postgres://")):
-            raise ValueError("must start with postgresql://")
-        return v
+    def _database_secret(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            url = resolve_database_url(data)
+            if url is None:
+                data.pop("database_url", None)  # reported as required
+            else:
+                data["database_url"] = url
+        return data
 
     @field_validator("queue_url")
     @classmethod
@@ -193,6 +220,16 @@ class Settings(BaseSettings):
         return v.lower() if isinstance(v, str) else v
 
     @property
+    def database_dsn(self) -> str:
+        """The canonical connection URL, password included: for drivers only, never printed."""
+        return self.database_url.get_secret_value()
+
+    @property
+    def database_redacted(self) -> str:
+        """``postgresql://user@host:port/db``: the only form of the database we print."""
+        return secrets.redact_dsn(self.database_dsn)
+
+    @property
     def effective_s3_endpoint_url(self) -> str | None:
         return self.s3_endpoint_url or self.sqs_endpoint_url
 
@@ -232,16 +269,97 @@ def load_settings(**overrides: object) -> Settings:
 
 
 def redact_dsn(dsn: str) -> str:
-    """The DSN with its password replaced, safe for logs and error lines."""
-    from urllib.parse import urlsplit, urlunsplit
+    """The DSN as it may be printed (see :func:`service.secrets.redact_dsn`)."""
+    return secrets.redact_dsn(dsn)
 
+
+def _plain(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    return str(value)
+
+
+def _read_secret_file(var: str, path: str) -> str:
     try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return "<unparseable dsn>"
-    if parts.password is None:
-        return dsn
-    netloc = parts.netloc.rsplit("@", 1)
-    user = parts.username or ""
-    host = netloc[1] if len(netloc) == 2 else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+        # Mounted secrets (Kubernetes, Docker, ECS bind mounts) often end in a newline.
+        return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"configuration error: {var} cannot be read: {path}: "
+                          f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+
+
+def _one_of(data: Mapping[str, object], field: str) -> tuple[str, str | None]:
+    """(variable it came from, value) of ``field`` given directly or as ``field_file``."""
+    var = f"{ENV_PREFIX}{field.upper()}"
+    value, path = _plain(data.get(field)), _plain(data.get(f"{field}_file"))
+    if value is not None and path is not None:
+        raise ConfigError(f"configuration error: {var} and {var}_FILE are both set: choose one")
+    if path is not None:
+        return f"{var}_FILE", _read_secret_file(f"{var}_FILE", path)
+    return var, value
+
+
+def _credentials(var: str, text: str) -> tuple[str | None, str]:
+    """(user or None, password) from a password variable: the password as it is, or an
+    RDS-managed / Secrets Manager JSON secret (``{"username": …, "password": …}``)."""
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("password"), str):
+            user = doc.get("username")
+            return (user if isinstance(user, str) and user else None), doc["password"]
+        if isinstance(doc, dict):
+            raise ConfigError(f"configuration error: {var} is a JSON object without a "
+                              '"password" string (expected {"username": …, "password": …})')
+    return None, text
+
+
+def resolve_database_url(data: Mapping[str, object]) -> str | None:
+    """The canonical DSN from ``database_url`` / ``database_url_file`` and the password
+    overrides (keys as in Settings). Every password seen is remembered for scrubbing;
+    a bad value raises ConfigError naming the variable and never echoing the value."""
+    var, text = _one_of(data, "database_url")
+    pw_var, pw_text = _one_of(data, "database_password")
+    if text is None:
+        return None  # pydantic then reports INGEST_DATABASE_URL as required
+    try:
+        dsn = secrets.parse_dsn(text)
+    except secrets.DsnError as exc:
+        secrets.remember(text)  # a password may sit anywhere in what we could not read
+        raise ConfigError(f"configuration error: {var} {exc}") from None
+    secrets.remember(dsn.password)
+    if pw_text is not None:
+        user, password = _credentials(pw_var, pw_text)
+        secrets.remember(password)
+        dsn = dsn.with_credentials(user, password)
+    return dsn.url()
+
+
+def database_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The canonical DSN from ``INGEST_DATABASE_URL[_FILE]`` and ``INGEST_DATABASE_PASSWORD
+    [_FILE]`` alone (for commands that need no queue: reconcile)."""
+    env = os.environ if environ is None else environ
+    keys = ("database_url", "database_url_file", "database_password", "database_password_file")
+    return resolve_database_url({k: env.get(f"{ENV_PREFIX}{k.upper()}") for k in keys})
+
+
+def reconcile_peers_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Peer DSNs for ``sqs-ingest reconcile``: ``INGEST_RECONCILE_PEER_URLS`` (one per line)
+    or the file named by ``INGEST_RECONCILE_PEER_URLS_FILE`` (one per line, ``#`` comments),
+    so they stay out of ``ps``, pod specs and ECS commands."""
+    env = os.environ if environ is None else environ
+    _, text = _one_of({k: env.get(f"{ENV_PREFIX}{k.upper()}") for k in
+                         ("reconcile_peer_urls", "reconcile_peer_urls_file")},
+                        "reconcile_peer_urls")
+    if text is None:
+        return []
+    return peer_lines(text)
+
+
+def peer_lines(text: str) -> list[str]:
+    lines = [line.strip() for line in text.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]

@@ -24,7 +24,8 @@ from service.dlq.letters import (
     replay_one,
 )
 from service.dlq.sender import sqs_sender
-from service.settings import Settings, redact_dsn
+from service.secrets import inert, inert_json, safe
+from service.settings import Settings
 from service.sqs import sqs_client
 
 EXIT_OK = 0
@@ -35,9 +36,9 @@ EXIT_USAGE = 2
 async def main(settings: Settings, args: argparse.Namespace) -> int:
     """Entry point of ``sqs-ingest dlq …``; returns the exit code."""
     try:
-        conn = await asyncpg.connect(settings.database_url, timeout=10)
+        conn = await asyncpg.connect(settings.database_dsn, timeout=10)
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-        _err(f"cannot connect to {redact_dsn(settings.database_url)}: {exc}")
+        _err(f"cannot connect to {settings.database_redacted}: {exc}")
         return EXIT_FAILED
     try:
         if args.dlq_command == "list":
@@ -67,7 +68,7 @@ async def _list(conn: asyncpg.Connection, args: argparse.Namespace) -> int:
         include_replayed=args.include_replayed, limit=args.limit,
     )
     if args.format == "json":
-        sys.stdout.write(orjson.dumps([as_json(x) for x in letters]).decode() + "\n")
+        sys.stdout.write(inert_json(orjson.dumps([as_json(x) for x in letters]).decode()) + "\n")
     else:
         sys.stdout.write(format_table(letters))
     return EXIT_OK
@@ -103,7 +104,8 @@ async def _replay(conn: asyncpg.Connection, settings: Settings, args: argparse.N
 
 def _show(batch: list[Letter]) -> None:
     for x in batch:
-        print(f"replayed id={x.id} request_id={x.request_id or '-'} reason={x.reason}")
+        print(f"replayed id={x.id} request_id={inert(x.request_id or '-')} "
+              f"reason={inert(x.reason)}")
 
 
 async def _dry_run(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace) -> int:
@@ -119,7 +121,8 @@ async def _dry_run(conn: asyncpg.Connection, settings: Settings, args: argparse.
     else:
         letters = await pending(conn, args.reason)
     for x in letters:
-        print(f"would replay id={x.id} request_id={x.request_id or '-'} reason={x.reason} "
+        print(f"would replay id={x.id} request_id={inert(x.request_id or '-')} "
+              f"reason={inert(x.reason)} "
               f"body={_preview(x.body, 200)}")
     print(f"dry run: would replay {len(letters)} to {settings.queue_url}; nothing sent or changed")
     return EXIT_OK
@@ -148,8 +151,8 @@ def format_table(letters: Sequence[Letter], preview: int = 60) -> str:
         (
             str(x.id),
             x.received_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            x.reason,
-            x.request_id or "-",
+            inert(x.reason),
+            inert(x.request_id or "-"),
             x.replayed_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             if x.replayed_at else "-",
             _preview(x.body, preview),
@@ -181,4 +184,4 @@ def _parse_time(value: str | None, flag: str) -> datetime | None:
 
 
 def _err(msg: str) -> None:
-    print(f"sqs-ingest dlq: {msg}", file=sys.stderr)
+    print(safe(f"sqs-ingest dlq: {msg}"), file=sys.stderr)

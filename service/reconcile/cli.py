@@ -19,6 +19,7 @@ from service.reconcile.metrics import RunMetrics
 from service.reconcile.parser import EXIT_CONFIG, Args, UsageError, build_parser, yesterday
 from service.reconcile.runner import EXIT_CLEAN, Runner
 from service.reconcile.sidecar import sidecar
+from service.secrets import safe
 
 
 async def once(args: Args, metrics: RunMetrics) -> int:
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> int:
             return asyncio.run(sidecar(args, metrics))
         return asyncio.run(once(args, metrics))
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
+        print(safe(str(exc)), file=sys.stderr)
         return EXIT_CONFIG
 
 

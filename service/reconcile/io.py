@@ -3,7 +3,7 @@
 Reads run in read-only sessions (the job never changes the data it checks) and stream
 with a fetch size instead of materialising whole partitions in the driver. Credentials
 travel as JDBC properties, never inside the URL, so neither Spark's plans nor our logs
-can print them; :func:`service.settings.redact_dsn` is the only form of a DSN we output.
+can print them; :func:`service.secrets.redact_dsn` is the only form of a DSN we output.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from service.settings import redact_dsn
+from service.secrets import redact_dsn
 
 if TYPE_CHECKING:
     import asyncpg

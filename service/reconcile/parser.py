@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -53,7 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="primary database, postgresql://… (default: $INGEST_DATABASE_URL)",
     )
     p.add_argument(
-        "--peer-url", action="append", default=[], help="peer database to compare (repeatable)"
+        "--peer-url",
+        action="append",
+        default=[],
+        help="peer database to compare (repeatable). Its password shows in `ps` and in pod "
+        "specs: prefer --peer-url-file or INGEST_RECONCILE_PEER_URLS(_FILE)",
+    )
+    p.add_argument(
+        "--peer-url-file",
+        default=None,
+        help="file with one peer database URL per line (# comments); default: "
+        "$INGEST_RECONCILE_PEER_URLS_FILE, or $INGEST_RECONCILE_PEER_URLS (one per line)",
     )
     p.add_argument("--lookback-hours", type=_positive(float), default=24.0)
     p.add_argument("--stuck-after", type=_positive(float), default=60.0, help="minutes")
@@ -85,13 +94,9 @@ class Args:
         from service.reconcile.io import Database, DsnError, jdbc_target
         from service.reconcile.job import JobOptions
 
-        primary_dsn = self.ns.database_url or os.environ.get("INGEST_DATABASE_URL")
-        if not primary_dsn:
-            raise UsageError(
-                "configuration error: --database-url or INGEST_DATABASE_URL is required"
-            )
+        primary_dsn, peer_dsns = self.databases()
         dbs = [Database("primary", primary_dsn)] + [
-            Database(f"peer{i}", url) for i, url in enumerate(self.ns.peer_url, start=1)
+            Database(f"peer{i}", url) for i, url in enumerate(peer_dsns, start=1)
         ]
         for db in dbs:
             try:
@@ -109,6 +114,48 @@ class Args:
             max_discrepancies=self.ns.max_discrepancies,
             output=self.ns.output,
         )
+
+
+    def databases(self) -> tuple[str, list[str]]:
+        """(primary, peers) as canonical URLs, every password remembered for scrubbing.
+
+        The primary: ``--database-url``, else INGEST_DATABASE_URL[_FILE] with
+        INGEST_DATABASE_PASSWORD[_FILE] (as the daemon). Peers: ``--peer-url``, then
+        ``--peer-url-file``, else INGEST_RECONCILE_PEER_URLS_FILE / _URLS.
+        """
+        from service import secrets
+        from service.settings import (
+            ConfigError,
+            _read_secret_file,
+            database_url_from_env,
+            peer_lines,
+            reconcile_peers_from_env,
+        )
+
+        def canonical(label: str, text: str) -> str:
+            try:
+                dsn = secrets.parse_dsn(text)
+            except secrets.DsnError as exc:
+                secrets.remember(text)
+                raise UsageError(f"configuration error: {label}: {exc}") from None
+            secrets.remember(dsn.password)
+            return dsn.url()
+
+        try:
+            primary = (canonical("--database-url", self.ns.database_url)
+                       if self.ns.database_url else database_url_from_env())
+            peers = list(self.ns.peer_url)
+            if self.ns.peer_url_file:
+                peers += peer_lines(_read_secret_file("--peer-url-file", self.ns.peer_url_file))
+            elif not peers:
+                peers = reconcile_peers_from_env()
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        if not primary:
+            raise UsageError(
+                "configuration error: --database-url or INGEST_DATABASE_URL is required"
+            )
+        return primary, [canonical(f"peer{i}", p) for i, p in enumerate(peers, start=1)]
 
 
 def yesterday(now: datetime | None = None) -> date:

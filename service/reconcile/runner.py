@@ -73,7 +73,8 @@ class Runner:
             conn = await asyncpg.connect(opts.primary.dsn)
         except (OSError, asyncpg.PostgresError) as exc:
             bound.error(
-                "reconcile_failed", stage="connect", database=opts.primary.redacted, error=str(exc)
+                "reconcile_failed", stage="connect", database=opts.primary.redacted,
+                error=_redacted_error(exc, opts)
             )
             self.metrics.observe("failed", time.monotonic() - t0, None)
             return EXIT_FAILED
@@ -166,13 +167,10 @@ class Runner:
                 spark.stop()
 
 
-def _redacted_error(exc: BaseException, opts: JobOptions) -> str:
-    """The error text with any password of our DSNs blanked (drivers like to echo URLs)."""
-    from urllib.parse import unquote, urlsplit
+def _redacted_error(exc: BaseException, _opts: JobOptions) -> str:
+    """The error's first line with every password this process knows blanked (drivers like
+    to echo URLs; :func:`service.secrets.safe`)."""
+    from service.secrets import safe
 
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    for db in opts.databases:
-        password = urlsplit(db.dsn).password
-        if password:
-            text = text.replace(password, "***").replace(unquote(password), "***")
-    return text[:2000]
+    return safe(text)[:2000]

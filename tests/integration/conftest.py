@@ -29,7 +29,7 @@ async def running_worker(
     if registry is None:
         load_reference_handlers()
         registry = default_registry
-    pool = await create_pool(settings.database_url, 4)
+    pool = await create_pool(settings.database_dsn, 4)
     try:
         async with sqs_client(settings.aws_region, settings.sqs_endpoint_url) as client:
             store = Store(pool)

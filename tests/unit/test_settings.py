@@ -70,5 +70,5 @@ def test_config_error_never_echoes_the_password(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_redact_dsn() -> None:
-    assert redact_dsn("postgresql://u:pw@h:5432/d") == "postgresql://u:***@h:5432/d"
+    assert redact_dsn("postgresql://u:pw@h:5432/d") == "postgresql://u@h:5432/d"
     assert redact_dsn("postgresql://u@h/d") == "postgresql://u@h/d"
