@@ -163,11 +163,13 @@ def _settings_for(args: argparse.Namespace) -> Settings:
     )
     if db_only and not os.environ.get("INGEST_QUEUE_URL"):
         return load_settings(queue_url=NO_QUEUE)
+    # The database may also be given as a file (INGEST_DATABASE_URL_FILE).
+    db_set = any(os.environ.get(v) for v in ("INGEST_DATABASE_URL", "INGEST_DATABASE_URL_FILE"))
     if args.command in ("schema", "handlers"):  # read the registry only: no queue, no database
-        return load_settings(**{k: v for k, v in (("queue_url", NO_QUEUE),
-                                                  ("database_url", NO_DATABASE))
-                                if not os.environ.get(f"INGEST_{k.upper()}")})
-    if args.command == "redrive" and not os.environ.get("INGEST_DATABASE_URL"):
+        return load_settings(**{k: v for k, v, given in (
+            ("queue_url", NO_QUEUE, bool(os.environ.get("INGEST_QUEUE_URL"))),
+            ("database_url", NO_DATABASE, db_set)) if not given})
+    if args.command == "redrive" and not db_set:
         return load_settings(database_url=NO_DATABASE)  # SQS calls only
     return load_settings()
 
