@@ -36,6 +36,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[Postgres]:
+    port = os.environ.get("INGEST_TEST_PG_PORT")
+    if port:  # a server another session started, with its template (tests/sql_mutants.py)
+        yield Postgres(int(port), "", "", os.environ.get("INGEST_TEST_PG_USER", "postgres"))
+        return
     with postgres_server() as pg:
         import asyncio
 
