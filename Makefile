@@ -90,6 +90,7 @@ image:
 lint: install
 	$(VENV)/bin/ruff check service tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf .run .pytest_cache mutants

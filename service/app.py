@@ -17,6 +17,8 @@ from service.errors import TransientError
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.migrate import SchemaBehind, check_schema
 from service.payloads import S3Payloads, s3_client
+from service.results import Publisher, results_sink
+from service.retention import RetentionRefused, check_retention, queue_retention
 from service.retry import Backoff
 from service.settings import Settings
 from service.sqs import SqsQueue, sqs_client
@@ -144,8 +146,6 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
             return 0
         state.sqs = True
         if settings.prune_interval > 0:
-            from service.prune import RetentionRefused, check_retention, queue_retention
-
             try:
                 check_retention(settings, queue_retention(attrs))
             except RetentionRefused as exc:
@@ -160,8 +160,6 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
         async with contextlib.AsyncExitStack() as stack:
             publisher = None
             if settings.results_enabled:
-                from service.results import Publisher, results_sink
-
                 sink = await stack.enter_async_context(results_sink(settings))
                 publisher = Publisher(store, sink, concurrency=settings.results_publishers)
                 log.info("results_on", destination=settings.results_topic_arn

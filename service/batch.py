@@ -24,10 +24,10 @@ from service.errors import AckFailed, DatabaseUnavailable, TransientError
 from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
+from service.labels import INVALID_TYPE_LABEL
 from service.messages import Message, Received, parse
-from service.payloads import S3Payloads, resolve_batch
+from service.payloads import S3Payloads
 from service.plan import (
-    INVALID_TYPE_LABEL,
     Plan,
     classify,
     describe,
@@ -35,8 +35,8 @@ from service.plan import (
     settle_failures,
     triage,
 )
-from service.redrive import ReceiveLimit
-from service.retry import RetryPolicy
+from service.resolve import resolve_batch
+from service.retry import ReceiveLimit, RetryPolicy
 from service.seams import DeadLetter, QueueSeam, StoreSeam
 from service.settings import SQS_MAX_VISIBILITY
 from service.store import DATA_ERRORS

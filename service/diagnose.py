@@ -17,7 +17,6 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import asyncpg
 from botocore.exceptions import (
@@ -31,9 +30,7 @@ from botocore.exceptions import (
 from service.errors import IngestError
 from service.migrate import SchemaBehind
 from service.secrets import safe
-
-if TYPE_CHECKING:
-    from service.settings import Settings
+from service.settings import Settings
 
 EXIT_FATAL = 1
 EXIT_CONFIG = 2

@@ -26,3 +26,7 @@ class AckFailed(IngestError):
         super().__init__(f"ack failed for {len(message_ids)} message(s): {detail}")
         self.message_ids = message_ids
         self.detail = detail
+
+
+class RetentionRefused(Exception):
+    """A retention a redelivery could outlive: exit 2 with this one line."""

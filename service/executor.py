@@ -14,7 +14,7 @@ import structlog
 from service import metrics
 from service.messages import Message, Received
 from service.plan import Plan
-from service.redrive import ReceiveLimit
+from service.retry import ReceiveLimit
 from service.seams import QueueSeam, StoreSeam
 from service.store import DB_ERRORS
 

@@ -10,21 +10,18 @@ import random
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import structlog
 
-from service import metrics
+from service import metrics, prune, retention
 from service.dbhealth import DatabaseHealth
-from service.errors import TransientError
+from service.errors import RetentionRefused, TransientError
 from service.messages import Received
-from service.redrive import ReceiveLimit
+from service.results import Publisher
+from service.retry import ReceiveLimit
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 from service.store import DB_ERRORS
-
-if TYPE_CHECKING:
-    from service.results import Publisher
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -135,19 +132,17 @@ class Maintenance:
         raise it while the daemon runs. A refused pass deletes nothing and logs an error
         (the daemon keeps ingesting); a queue that cannot be asked allows the pass only
         when the retentions exceed SQS's maximum, as ``sqs-ingest prune`` does."""
-        from service import prune
-
         try:
             attrs = await self.queue.attributes()
         except TransientError as exc:
-            if not prune.safe_without_queue(self.s):
+            if not retention.safe_without_queue(self.s):
                 log.warning("prune_skipped", reason="cannot read the queue's "
                             f"MessageRetentionPeriod: {str(exc)[:300]}")
                 return None
         else:
             try:
-                prune.check_retention(self.s, prune.queue_retention(attrs))
-            except prune.RetentionRefused as exc:
+                retention.check_retention(self.s, retention.queue_retention(attrs))
+            except RetentionRefused as exc:
                 log.error("prune_refused", error=str(exc))
                 return None
         try:
@@ -172,7 +167,8 @@ class Maintenance:
             metrics.sqs_errors.labels("get_queue_attributes").inc()
             log.warning("queue_attributes_failed", error=str(exc))
         else:
-            self.limit.update(attrs)
+            if self.limit.update(attrs):
+                metrics.receive_limit.set(self.limit.max_failures)
             self._set_gauges(attrs)
 
     def _set_gauges(self, attrs: dict[str, str]) -> None:

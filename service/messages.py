@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -13,9 +13,7 @@ from pydantic import BaseModel, ValidationError
 from service import attributes
 from service.handlers.registry import Registry
 from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
-
-if TYPE_CHECKING:
-    from service.payloads import Fetched, Pointer
+from service.pointers import Fetched, Pointer
 
 
 @dataclass(frozen=True, slots=True)

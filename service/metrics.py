@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from service import __version__
+from service import __version__, labels
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 # process_start_time_seconds etc.: restarts (exit 3 after an ack failure) are alertable.
@@ -127,36 +127,22 @@ build_info = Info(P + "build", "Build information", registry=REGISTRY)
 build_info.info({"version": __version__})
 
 
-#: Every value the ``reason`` label of ``dead_letters_total`` takes.
-DEAD_LETTER_REASONS = (
-    "invalid_json", "invalid_envelope", "missing_request_id", "missing_type", "unknown_type",
-    "invalid_payload", "request_id_too_long", "type_too_long", "idempotency_key_reused",
-    "max_receives_exceeded", "rejected_by_database", "processing_error",
-    "payload_object_missing", "payload_too_large",
-)
-OUTCOMES = ("completed", "duplicate", "dead_lettered", "retried")
-
-
 def prime(types: Iterable[str]) -> None:
     """Create every labelled series at 0 at startup. ``increase()``/``rate()`` cannot see
     the first increment of a series that did not exist before it, so without this the first
     dead letter after a restart would never fire the dead-letter alert."""
-    for reason in DEAD_LETTER_REASONS:
+    for reason in labels.DEAD_LETTER_REASONS:
         dead_letters.labels(reason)
-    for type_ in (*types, "_invalid"):
-        for outcome in OUTCOMES:
+    for type_ in (*types, labels.INVALID_TYPE_LABEL):
+        for outcome in labels.OUTCOMES:
             messages_processed.labels(type_, outcome)
-    from service.payloads import DELETE_OUTCOMES, ERROR_KINDS, FETCH_OUTCOMES
-
-    for outcome in FETCH_OUTCOMES:
-        s3_fetches.labels(outcome)
-    for kind in ERROR_KINDS:
+    for fetch in labels.FETCH_OUTCOMES:
+        s3_fetches.labels(fetch)
+    for kind in labels.ERROR_KINDS:
         s3_errors.labels(kind)
-    for outcome in DELETE_OUTCOMES:
-        s3_deletes.labels(outcome)
-    from service.prune import TABLES  # the pruner's tables, one series each
-
-    for table in TABLES:
+    for deleted in labels.DELETE_OUTCOMES:
+        s3_deletes.labels(deleted)
+    for table in labels.PRUNED_TABLES:  # the pruner's tables, one series each
         pruned_rows.labels(table)
 
 

@@ -1,19 +1,7 @@
-"""Large payloads offloaded to S3 by the AWS extended clients: the pointer a body (or the
-``Message`` of an SNS envelope) carries, fetching what it points to, and deleting it after
-the request is committed and acked (opt-in).
-
-The extended clients (Java ``amazon-sqs-java-extended-client-lib`` /
-``amazon-sns-java-extended-client-lib``, Python ``amazon-sqs-extended-client`` /
-``amazon-sns-extended-client``) put a payload above their threshold (or every payload, with
-``always_through_s3``) in S3 and send instead::
-
-    ["software.amazon.payloadoffloading.PayloadS3Pointer", {"s3BucketName": B, "s3Key": K}]
-
-(``com.amazon.sqs.javamessaging.MessageS3Pointer`` from older Java clients and the Python
-clients' ``use_legacy_attribute``), plus a message attribute ``ExtendedPayloadSize``
-(legacy ``SQSLargePayloadSize``) with the payload's size. A pointer is recognised by the
-body's shape alone: a JSON array is never a valid sqs-ingest message, so nothing valid can
-be mistaken for one, and a producer that drops the attribute is still understood.
+"""Large payloads offloaded to S3 by the AWS extended clients: S3 I/O only — fetching what a
+pointer (``service.pointers``) points to, and deleting it after the request is committed
+and acked (opt-in). What an unread payload means for its message is decided in
+``service.plan``; the batch path calls both (``service.resolve``).
 
 Memory: a payload is read only after GetObject's ``Content-Length`` is checked against
 ``INGEST_MAX_PAYLOAD_BYTES``, into one buffer of exactly that size (chunks are copied in and
@@ -24,39 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
-import orjson
 import structlog
 from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import metrics
-from service.s3access import BUCKET_NAME as _BUCKET
+from service.labels import S3ErrorKind
+from service.messages import Received
+from service.pointers import MARK, Fetched, Pointer, Refused, Resolution, Unreachable, find_pointer
 from service.s3access import BUCKETS_VARIABLE, AllowList
-
-if TYPE_CHECKING:
-    from service.messages import Received
-    from service.plan import Plan
-    from service.retry import RetryPolicy
-    from service.seams import KnownPointer, StoreSeam
 
 log = structlog.get_logger("sqs_ingest.payloads")
 
-#: Pointer classes the extended clients write (current first).
-POINTER_CLASSES = frozenset({
-    "software.amazon.payloadoffloading.PayloadS3Pointer",
-    "com.amazon.sqs.javamessaging.MessageS3Pointer",
-})
-#: Every pointer class name contains this: the one substring test a plain body pays.
-_MARK = "S3Pointer"
-#: The extended clients' size attributes (current, legacy); kept with the other attributes.
-SIZE_ATTRIBUTES = ("ExtendedPayloadSize", "SQSLargePayloadSize")
-#: S3's own limits: what no object can have cannot be fetched (and would not fit an index).
-S3_KEY_MAX_BYTES = 1024
 _CHUNK = 64 * 1024
 #: What a GetObject and the read of its body raise when S3 or the way to it fails: besides
 #: botocore's and the socket's own, aiohttp's ClientPayloadError for a body cut off before
@@ -67,86 +38,7 @@ _S3_FAILURES: tuple[type[BaseException], ...] = (
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchBucket"})
 
 
-@dataclass(frozen=True, slots=True)
-class Pointer:
-    """Where a message's payload is. ``envelope``: the SNS envelope it came in (its
-    ``MessageAttributes`` are the message's), None for a raw body."""
-
-    bucket: str
-    key: str
-    envelope: dict[str, Any] | None = None
-
-    @property
-    def uri(self) -> str:
-        """``s3://bucket/key``: how the pointer is recorded with its request."""
-        return f"s3://{self.bucket}/{self.key}"
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """The payload a pointer points to, read from S3 (the message to parse)."""
-
-    pointer: Pointer
-    data: bytes | bytearray
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """A pointer that cannot be resolved, ever: a dead letter with ``reason`` (unless, for a
-    missing object, its request is already known: see ``plan_unresolved``)."""
-
-    pointer: Pointer | None
-    # payload_object_missing | payload_too_large | invalid_envelope |
-    # payload_bucket_not_allowed | payload_unreadable
-    reason: str
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
-class Unreachable:
-    """S3 failed in a way that may pass (throttling, 5xx, network, access): retry later."""
-
-    pointer: Pointer
-    error: str
-
-
-Resolution = Fetched | Refused | Unreachable
-
-def find_pointer(body: str) -> Pointer | Refused | None:
-    """The pointer in a raw body or in the ``Message`` of an SNS envelope; a Refused for a
-    pointer that is malformed; None for anything else (parsed as usual)."""
-    if _MARK not in body:
-        return None
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    envelope = None
-    if isinstance(doc, dict) and doc.get("Type") == "Notification":
-        inner = doc.get("Message")
-        if not isinstance(inner, str) or _MARK not in inner:
-            return None
-        try:
-            envelope, doc = doc, orjson.loads(inner)
-        except orjson.JSONDecodeError:
-            return None
-    if not (isinstance(doc, list) and len(doc) == 2 and doc[0] in POINTER_CLASSES):
-        return None
-    where = doc[1]
-    if not isinstance(where, dict):
-        return Refused(None, "invalid_envelope", "S3 pointer: second element is not an object")
-    bucket, key = where.get("s3BucketName"), where.get("s3Key")
-    if not isinstance(bucket, str) or not _BUCKET.match(bucket):
-        return Refused(None, "invalid_envelope",
-                       f"S3 pointer: s3BucketName {str(bucket)[:80]!r} is not a bucket name")
-    if not isinstance(key, str) or not key or "\x00" in key \
-            or len(key.encode("utf-8", "surrogatepass")) > S3_KEY_MAX_BYTES:
-        return Refused(None, "invalid_envelope",
-                       f"S3 pointer: s3Key is not an S3 key (1 to {S3_KEY_MAX_BYTES} bytes)")
-    return Pointer(bucket, key, envelope)
-
-
-def _error_kind(exc: BaseException) -> str:
+def _error_kind(exc: BaseException) -> S3ErrorKind:
     """A small, fixed set of labels for ``sqs_ingest_s3_errors_total{kind}``."""
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
@@ -161,11 +53,6 @@ def _error_kind(exc: BaseException) -> str:
             return "server"
         return "client"
     return "network"
-
-
-ERROR_KINDS = ("access_denied", "throttled", "server", "client", "network")
-FETCH_OUTCOMES = ("fetched", "missing", "too_large", "error")
-DELETE_OUTCOMES = ("deleted", "failed")
 
 
 def _missing(exc: ClientError) -> bool:
@@ -196,7 +83,7 @@ class S3Payloads:
         without pointers costs one substring test per body and no S3 call."""
         found: dict[str, Pointer | Refused] = {}
         for r in batch:
-            if _MARK in r.body:
+            if MARK in r.body:
                 p = find_pointer(r.body)
                 if p is not None:
                     found[r.message_id] = p
@@ -297,90 +184,6 @@ async def _read_exactly(body: Any, size: int) -> bytearray:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
-
-
-# -- what a batch does with pointers it could not resolve --------------------------------
-
-
-def plan_unresolved(
-    unresolved: Sequence[tuple[Received, Refused | Unreachable]],
-    known: Mapping[str, KnownPointer],
-    policy: RetryPolicy,
-) -> Plan:
-    """Decide messages whose payload could not be read. A missing object whose pointer was
-    claimed by a COMPLETED request is a duplicate (the object was deleted after that
-    request's ack, opt-in); one still IN_PROGRESS waits like any contention; otherwise
-    the message is a dead letter that keeps its pointer body. S3 failures are deferred
-    with backoff (not the message's fault), never dead-lettered — unless the pointer's
-    request is COMPLETED: then, as for a missing object, the message is its duplicate."""
-    from service.plan import INVALID_TYPE_LABEL, Plan
-    from service.seams import DeadLetter
-
-    plan = Plan()
-    for raw, r in unresolved:
-        if isinstance(r, Unreachable):
-            done = known.get(r.pointer.uri)
-            if done is not None and done.status == "COMPLETED":
-                # Its request needs no payload: deferred, it would cycle as long as S3
-                # refuses, outliving the request's row (retention) and then applied again.
-                plan.ack(raw, done.request_type, "duplicate")
-                continue
-            # Not the message's fault: a deferral (an S3 outage never pushes it to the
-            # queue's own DLQ; service.redrive), after the usual backoff.
-            plan.defer(raw, policy.backoff(raw.receive_count))
-            continue
-        owner = known.get(r.pointer.uri) if r.pointer is not None \
-            and r.reason == "payload_object_missing" else None
-        if owner is not None and owner.status == "COMPLETED":
-            plan.ack(raw, owner.request_type, "duplicate")
-        elif owner is not None:
-            plan.defer(raw, policy.contention())
-            plan.contention += 1
-        else:
-            log.warning("poison_message", message_id=raw.message_id, reason=r.reason,
-                        error=r.error)
-            plan.letter(raw, DeadLetter.of_received(raw, r.reason, r.error), INVALID_TYPE_LABEL)
-    return plan
-
-
-async def resolve_batch(
-    payloads: S3Payloads | None, store: StoreSeam, policy: RetryPolicy,
-    part: list[Received], fifo: bool,
-) -> tuple[list[Received], dict[str, Fetched], Plan | None]:
-    """Fetch the payloads of a batch's pointer bodies. Returns the messages to parse as
-    usual, the fetched payloads by message id, and the plan for those that could not be
-    read (None when there are none). On a FIFO queue a message handed back here holds back
-    the later messages of its group (visible again at once, behind it)."""
-    resolved = await payloads.resolve(part) if payloads is not None else None
-    if not resolved:
-        return part, {}, None
-    fetched = {k: r for k, r in resolved.items() if isinstance(r, Fetched)}
-    failed: list[tuple[Received, Refused | Unreachable]] = []
-    for m in part:
-        r = resolved.get(m.message_id)
-        if r is not None and not isinstance(r, Fetched):
-            failed.append((m, r))
-    if not failed:
-        return part, fetched, None
-    # Requests these pointers were claimed by: a missing object or an S3 failure is no
-    # obstacle to acking a redelivery of a completed request as its duplicate.
-    missing = [r.pointer.uri for _, r in failed if r.pointer is not None and (
-        isinstance(r, Unreachable) or r.reason == "payload_object_missing")]
-    plan = plan_unresolved(failed, await store.known_pointers(missing) if missing else {},
-                           policy)
-    decided = {m.message_id for m, _ in failed}
-    back = {m.message_id for m, _ in plan.deferrals}
-    held: set[str] = set()
-    rest = []
-    for m in part:
-        if m.message_id in decided:
-            if fifo and m.group_id is not None and m.message_id in back:
-                held.add(m.group_id)
-        elif m.group_id is not None and m.group_id in held:
-            plan.defer(m, 0)  # behind a message of its group handed back above
-        else:
-            rest.append(m)
-    return rest, fetched, plan
 
 
 @contextlib.asynccontextmanager

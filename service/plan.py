@@ -12,17 +12,21 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from service.handlers import Registry
+from service.handlers.registry import Registry
+from service.labels import INVALID_TYPE_LABEL
 from service.limits import storable
 from service.messages import Message, Poison, Received, parse
-from service.payloads import Fetched, Pointer
-from service.redrive import ReceiveLimit
-from service.retry import RetryPolicy
-from service.seams import ApplyResult, ClaimResult, DeadLetter
+from service.pointers import Fetched, Pointer, Refused, Unreachable
+from service.retry import ReceiveLimit, RetryPolicy
+from service.seams import ApplyResult, ClaimResult, DeadLetter, KnownPointer
 
 log = structlog.get_logger("sqs_ingest.worker")
+_s3_log = structlog.get_logger("sqs_ingest.payloads")
 
-INVALID_TYPE_LABEL = "_invalid"
+__all__ = [
+    "INVALID_TYPE_LABEL", "ClaimPlan", "Plan", "Triage", "classify", "describe",
+    "plan_unresolved", "settle", "settle_failures", "triage",
+]
 
 
 @dataclass(slots=True)
@@ -198,4 +202,42 @@ def settle_failures(
             plan.outcomes.append((m.type, "retried"))
             log.warning("handler_failed", message_id=m.raw.message_id,
                         request_id=m.request_id, failures=n, retry_in=delay, error=err)
+    return plan
+
+
+def plan_unresolved(
+    unresolved: Sequence[tuple[Received, Refused | Unreachable]],
+    known: Mapping[str, KnownPointer],
+    policy: RetryPolicy,
+) -> Plan:
+    """Decide messages whose payload could not be read. A missing object whose pointer was
+    claimed by a COMPLETED request is a duplicate (the object was deleted after that
+    request's ack, opt-in); one still IN_PROGRESS waits like any contention; otherwise
+    the message is a dead letter that keeps its pointer body. S3 failures are deferred
+    with backoff (not the message's fault), never dead-lettered — unless the pointer's
+    request is COMPLETED: then, as for a missing object, the message is its duplicate."""
+    plan = Plan()
+    for raw, r in unresolved:
+        if isinstance(r, Unreachable):
+            done = known.get(r.pointer.uri)
+            if done is not None and done.status == "COMPLETED":
+                # Its request needs no payload: deferred, it would cycle as long as S3
+                # refuses, outliving the request's row (retention) and then applied again.
+                plan.ack(raw, done.request_type, "duplicate")
+                continue
+            # Not the message's fault: a deferral (an S3 outage never pushes it to the
+            # queue's own DLQ; service.redrive), after the usual backoff.
+            plan.defer(raw, policy.backoff(raw.receive_count))
+            continue
+        owner = known.get(r.pointer.uri) if r.pointer is not None \
+            and r.reason == "payload_object_missing" else None
+        if owner is not None and owner.status == "COMPLETED":
+            plan.ack(raw, owner.request_type, "duplicate")
+        elif owner is not None:
+            plan.defer(raw, policy.contention())
+            plan.contention += 1
+        else:
+            _s3_log.warning("poison_message", message_id=raw.message_id, reason=r.reason,
+                        error=r.error)
+            plan.letter(raw, DeadLetter.of_received(raw, r.reason, r.error), INVALID_TYPE_LABEL)
     return plan

@@ -19,8 +19,11 @@ What goes, and when (each retention is a setting, README "Retention"):
 * ``outbox``: published rows ``INGEST_RESULTS_RETENTION_DAYS`` after publication.
 
 Exactly-once depends on the first one: a request deleted while SQS can still deliver it
-again would be applied again. :func:`check_retention` refuses any retention that does not
-exceed the queue's ``MessageRetentionPeriod`` (the daemon at start, ``sqs-ingest prune``).
+again would be applied again. ``service.retention.check_retention`` refuses any retention
+that does not exceed the queue's ``MessageRetentionPeriod`` (the daemon at start, before
+each pass, and ``sqs-ingest prune``: ``service.prune_command``).
+
+This module is the data access of a pass (asyncpg); the rule is ``service.retention``.
 
 How: batches of ``INGEST_PRUNE_BATCH_SIZE`` rows, each one statement in its own transaction,
 picked oldest first by a partial index (migration 004) with ``FOR UPDATE SKIP LOCKED``;
@@ -46,6 +49,8 @@ import asyncpg
 import structlog
 
 from service import metrics
+from service.labels import PRUNED_TABLES
+from service.retention import DAY
 from service.settings import Settings
 from service.sql import queries
 
@@ -55,19 +60,8 @@ Q = queries()
 
 #: Distinct from the migration (0x5151_1E57) and reconcile (0x5151_2EC0) locks.
 PRUNE_LOCK_KEY = 0x5151_9A7E
-DAY = 86_400.0
-#: The longest MessageRetentionPeriod SQS accepts (14 days): a retention above it is safe
-#: whatever the queue says, so ``prune`` may go on when the queue cannot be asked.
-SQS_MAX_RETENTION = 1_209_600
-
 #: Every table the pruner deletes from: one ``sqs_ingest_pruned_rows_total`` series each.
-TABLES = ("modifications", "retry_attempts", "dead_letters", "reconciliation_discrepancies",
-          "reconciliation_runs", "workers", "outbox")
-
-
-class RetentionRefused(Exception):
-    """A retention a redelivery could outlive: exit 2 with this one line."""
-
+TABLES = PRUNED_TABLES
 
 @dataclass(frozen=True)
 class Step:
@@ -96,28 +90,6 @@ STEPS = (
     Step("workers", "prune_workers", "prune_count_workers", lambda s: s.worker_retention_days),
     Step("outbox", "outbox_prune", "prune_count_outbox", lambda s: s.results_retention_days),
 )
-
-
-def check_retention(settings: Settings, queue_retention_seconds: int) -> None:
-    """Raise RetentionRefused unless every retention that keeps a redelivery out exceeds
-    the queue's ``MessageRetentionPeriod``: ``INGEST_RETENTION_DAYS`` (the request is the
-    duplicate check) and ``INGEST_DEAD_LETTER_RETENTION_DAYS`` (the dead letter is what
-    keeps a dead-lettered message from being applied if SQS delivers it again)."""
-    for var, days in (("INGEST_RETENTION_DAYS", settings.retention_days),
-                      ("INGEST_DEAD_LETTER_RETENTION_DAYS", settings.dead_letter_retention_days)):
-        if days * DAY <= queue_retention_seconds:
-            raise RetentionRefused(
-                f"configuration error: {var}={days:g} ({days * DAY:.0f} s) does not exceed "
-                f"the queue's MessageRetentionPeriod={queue_retention_seconds} s "
-                f"({queue_retention_seconds / DAY:g} days): SQS could redeliver a request "
-                f"after it was pruned; set {var} above {queue_retention_seconds / DAY:g}")
-
-
-def safe_without_queue(settings: Settings) -> bool:
-    """True when no SQS queue can hold a message as long as the retentions: the check
-    holds whatever the queue's own MessageRetentionPeriod."""
-    return min(settings.retention_days, settings.dead_letter_retention_days) * DAY \
-        > SQS_MAX_RETENTION
 
 
 async def delete_batch(conn: asyncpg.Connection, step: Step, settings: Settings,
@@ -199,7 +171,7 @@ async def _unlock(conn: asyncpg.Connection) -> None:
 
 async def _pass(conn: asyncpg.Connection, settings: Settings,
                 stop: asyncio.Event | None) -> dict[str, int]:
-    totals = dict.fromkeys(TABLES, 0)
+    totals: dict[str, int] = dict.fromkeys(TABLES, 0)
     limit = settings.prune_batch_size
     started = time.monotonic()
     for step in STEPS:
@@ -217,60 +189,3 @@ async def _pass(conn: asyncpg.Connection, settings: Settings,
     log.info("pruned", seconds=round(time.monotonic() - started, 3),
              **{t: n for t, n in totals.items() if n})
     return totals
-
-
-def queue_retention(attrs: dict[str, str]) -> int:
-    """The queue's MessageRetentionPeriod (seconds); SQS's maximum if it does not say."""
-    return int(attrs.get("MessageRetentionPeriod", SQS_MAX_RETENTION))
-
-
-async def _ask_queue(settings: Settings) -> int:
-    from service.sqs import SqsQueue, sqs_client
-
-    async with sqs_client(settings.aws_region, settings.sqs_endpoint_url) as client:
-        return queue_retention(await SqsQueue(client, settings.queue_url).attributes())
-
-
-async def command(settings: Settings, dry_run: bool, queue_url_set: bool = True) -> int:
-    """``sqs-ingest prune [--dry-run]``: the safety check, one pass, a line per table.
-
-    The queue cannot be asked (unset, unreachable, gone): a retention above SQS's maximum
-    MessageRetentionPeriod (14 days) is safe whatever the queue says, so the pass runs, with
-    a warning; a shorter one cannot be proven safe, so nothing is deleted (exit 1)."""
-    import sys
-
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from service.errors import TransientError
-    from service.secrets import safe
-
-    try:
-        if not queue_url_set:
-            raise TransientError("INGEST_QUEUE_URL is not set")
-        check_retention(settings, await _ask_queue(settings))
-    except RetentionRefused as exc:
-        print(safe(f"sqs-ingest: {exc}"), file=sys.stderr)
-        return 2
-    except (TransientError, BotoCoreError, ClientError, OSError) as exc:  # cannot ask
-        if not safe_without_queue(settings):
-            print(safe(f"sqs-ingest: prune refused: cannot read the queue's "
-                       f"MessageRetentionPeriod ({type(exc).__name__}: {str(exc)[:300]}) and "
-                       f"INGEST_RETENTION_DAYS / INGEST_DEAD_LETTER_RETENTION_DAYS do not exceed"
-                       f" SQS's maximum (14 days)"), file=sys.stderr)
-            return 1
-        log.warning("prune_queue_unchecked", error=f"{type(exc).__name__}: {str(exc)[:300]}",
-                    reason="retentions exceed SQS's maximum MessageRetentionPeriod")
-    try:
-        counts = await prune_once(settings.database_dsn, settings, dry_run=dry_run)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        print(safe(f"sqs-ingest: prune failed on {settings.database_redacted}: "
-                   f"{type(exc).__name__}: {exc}"), file=sys.stderr)
-        return 1
-    if counts is None:
-        print("another pruner holds the lock (a daemon replica or a prune run): nothing done")
-        return 0
-    verb = "would delete" if dry_run else "deleted"
-    for table in TABLES:
-        print(f"{table:<30} {counts[table]:>12}")
-    print(f"{verb} {sum(counts.values())} row(s)")
-    return 0

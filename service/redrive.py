@@ -1,6 +1,9 @@
-"""The queue's own dead-letter queue (its ``RedrivePolicy``).
+"""``sqs-ingest redrive [--dry-run]``: moves what is in the queue's own dead-letter queue (its
+``RedrivePolicy``) back to the source queue with ``StartMessageMoveTask`` and reports
+progress.
 
-Three things follow from it:
+What the policy means for the daemon lives in ``service.retry`` (``RedrivePolicy``,
+``ReceiveLimit``):
 
 - ``ReceiveLimit``: SQS moves a message to the policy's dead-letter queue on the receive
   after ``maxReceiveCount``. The daemon must dead-letter an always-failing message itself
@@ -13,111 +16,26 @@ Three things follow from it:
   that is not its fault (contention, database outage, shutdown) still spends a receive.
   When that would leave SQS fewer receives than the daemon's tries, the daemon sends a
   fresh copy (new receive count) and deletes the original instead (``SqsQueue.requeue``).
-- ``sqs-ingest redrive [--dry-run]``: moves what is in that dead-letter queue back to the
-  source queue with ``StartMessageMoveTask`` and reports progress.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service import metrics
+from service.retry import RedrivePolicy
+from service.sqs import sqs_client
 
 log = structlog.get_logger("sqs_ingest.redrive")
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 TERMINAL = ("COMPLETED", "CANCELLED", "FAILED")
-
-
-@dataclass(frozen=True, slots=True)
-class RedrivePolicy:
-    """The queue attribute ``RedrivePolicy``: where SQS moves a message, and after how many
-    receives."""
-
-    dead_letter_target_arn: str
-    max_receive_count: int
-
-    @classmethod
-    def from_attributes(cls, attributes: Mapping[str, str]) -> RedrivePolicy | None:
-        """None when the queue has no policy (or one this daemon cannot read: logged)."""
-        raw = attributes.get("RedrivePolicy")
-        if not raw:
-            return None
-        try:
-            doc = json.loads(raw)
-            # SQS returns maxReceiveCount as a number; some tools store it as a string.
-            return cls(str(doc["deadLetterTargetArn"]), int(doc["maxReceiveCount"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("redrive_policy_unreadable", value=raw[:300], error=repr(exc))
-            return None
-
-
-class ReceiveLimit:
-    """The daemon's dead-letter limit as it stands now, shared by the batch path (which
-    reads it) and maintenance (which updates it from the queue's attributes)."""
-
-    def __init__(self, configured: int, fifo: bool = False) -> None:
-        self.configured = configured  # INGEST_MAX_RECEIVE_COUNT
-        self.fifo = fifo
-        self.policy: RedrivePolicy | None = None
-        metrics.receive_limit.set(configured)
-
-    @property
-    def max_failures(self) -> int:
-        """Handler failures before the daemon dead-letters a message."""
-        if self.policy is None:
-            return self.configured
-        return min(self.configured, self.policy.max_receive_count)
-
-    def last_receive(self, receive_count: int) -> bool:
-        """SQS moves this message to its dead-letter queue if it is received again."""
-        return self.policy is not None and receive_count >= self.policy.max_receive_count
-
-    def exhausted(self, failures: int, receive_count: int) -> bool:
-        """A handler failure that must be final: the limit, or SQS's last receive."""
-        return failures >= self.max_failures or self.last_receive(receive_count)
-
-    def must_requeue(self, receive_count: int) -> bool:
-        """A message handed back through no fault of its own (contention, outage, shutdown):
-        True when a plain hand-back would leave SQS fewer receives than the daemon's tries,
-        so a fresh copy has to replace it. FIFO: only when the next receive would move it
-        (a copy goes behind its group's later messages; order yields only to data loss)."""
-        if self.policy is None:
-            return False
-        left = self.policy.max_receive_count - receive_count
-        if self.fifo:
-            return left <= 0
-        return left < self.max_failures
-
-    def update(self, attributes: Mapping[str, str]) -> None:
-        """Take the policy from GetQueueAttributes; say so in the log when it changed."""
-        policy = RedrivePolicy.from_attributes(attributes)
-        if policy == self.policy:
-            return
-        before, self.policy = self.policy, policy
-        metrics.receive_limit.set(self.max_failures)
-        if policy is None:
-            log.info("redrive_policy_removed", max_failures=self.max_failures)
-        elif policy.max_receive_count < self.configured:
-            log.warning(
-                "receive_limit_lowered_by_redrive_policy",
-                configured=self.configured, max_receive_count=policy.max_receive_count,
-                max_failures=self.max_failures, dead_letter_queue=policy.dead_letter_target_arn,
-                hint="INGEST_MAX_RECEIVE_COUNT is above the queue's maxReceiveCount: the "
-                     "daemon dead-letters on the last receive SQS allows")
-        else:
-            log.info("redrive_policy", max_receive_count=policy.max_receive_count,
-                     max_failures=self.max_failures,
-                     dead_letter_queue=policy.dead_letter_target_arn, changed=before is not None)
 
 
 # -- sqs-ingest redrive ------------------------------------------------------------------
@@ -220,7 +138,5 @@ async def _follow(
 
 async def main(settings: Any, dry_run: bool) -> int:
     """``sqs-ingest redrive [--dry-run]`` on ``INGEST_QUEUE_URL``."""
-    from service.sqs import sqs_client
-
     async with sqs_client(settings.aws_region, settings.sqs_endpoint_url) as client:
         return await redrive(client, settings.queue_url, dry_run)

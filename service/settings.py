@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import secrets
+from service.s3access import AllowList
 
 ENV_PREFIX = "INGEST_"
 # SQS refuses a visibility timeout beyond 12 hours.
@@ -202,8 +203,6 @@ class Settings(BaseSettings):
     @field_validator("s3_buckets")
     @classmethod
     def _s3_buckets(cls, v: str) -> str:
-        from service.s3access import AllowList
-
         AllowList.parse(v)  # ValueError names the entry
         return v
 

@@ -18,6 +18,7 @@ import orjson
 
 from service.errors import DatabaseUnavailable
 from service.messages import Message
+from service.migrate import check_schema
 from service.seams import (
     ApplyResult,
     BatchCall,
@@ -207,8 +208,6 @@ class Store:
 
     async def check_schema(self) -> None:
         """Raise SchemaBehind when the database lacks a migration this code needs."""
-        from service.migrate import check_schema
-
         async with connection(self.control, acquire_timeout=5) as conn:
             await check_schema(conn)
 

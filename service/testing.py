@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from service.errors import AckFailed, DatabaseUnavailable
+from service.errors import AckFailed, DatabaseUnavailable, TransientError
 from service.messages import Message, Received
+from service.migrate import SchemaBehind
 from service.seams import (
     ApplyResult,
     Batching,
@@ -254,8 +255,6 @@ class FakeStore:
         self._check()
         self.db.schema_checks += 1
         if self.db.schema_behind:
-            from service.migrate import SchemaBehind
-
             raise SchemaBehind("fake database schema is behind")
 
     async def gc(
@@ -443,8 +442,6 @@ class FakeSink:
         self.bodies: list[str] = []
 
     async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str] = ()) -> set[int]:
-        from service.errors import TransientError
-
         self.calls += 1
         self.bodies.extend(bodies)
         await asyncio.sleep(0)  # a real send yields: another publisher may run meanwhile

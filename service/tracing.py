@@ -34,12 +34,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-if TYPE_CHECKING:
-    from service.messages import Message, Received
+from service import __version__
+from service.messages import Message, Received
 
 NOOP: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 TRACEPARENT = "traceparent"
@@ -194,8 +194,6 @@ class _Tracing:
     def __init__(self, provider: Any, queue_url: str) -> None:
         from opentelemetry import context, trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        from service import __version__
 
         self.provider = provider
         self.trace = trace

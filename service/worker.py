@@ -9,7 +9,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -18,18 +18,15 @@ from service.batch import EXIT_ACK_FAILED, BatchProcessor
 from service.dbhealth import DatabaseHealth
 from service.errors import TransientError
 from service.handlers import Registry
+from service.labels import INVALID_TYPE_LABEL
 from service.maintenance import Maintenance
 from service.messages import Received
-from service.plan import INVALID_TYPE_LABEL
-from service.redrive import ReceiveLimit
-from service.retry import Backoff, RetryPolicy, wait_any
+from service.payloads import S3Payloads
+from service.results import Publisher
+from service.retry import Backoff, ReceiveLimit, RetryPolicy, wait_any
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 from service.store import DB_ERRORS
-
-if TYPE_CHECKING:
-    from service.payloads import S3Payloads
-    from service.results import Publisher
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -78,6 +75,7 @@ class Worker:
         # INGEST_MAX_RECEIVE_COUNT lowered by the queue's RedrivePolicy: read by the batch
         # path, kept current by maintenance (service.redrive).
         self.limit = ReceiveLimit(settings.max_receive_count, settings.is_fifo)
+        metrics.receive_limit.set(self.limit.max_failures)
         self.health = DatabaseHealth(store, self._stop, self._database_back)
         self.batches = BatchProcessor(
             queue, store, registry, self.policy, self.health, fifo=settings.is_fifo,

@@ -14,6 +14,8 @@ from service.handlers.registry import (
 
 
 def load_reference_handlers() -> None:
+    # Deferred on purpose: importing the module registers entity.upsert / entity.delete in
+    # the default registry, which only ``sqs-ingest run`` (and tests that ask) want.
     import service.handlers.entities  # noqa: F401  (registers entity.upsert / entity.delete)
 
 

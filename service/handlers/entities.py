@@ -13,6 +13,7 @@ import asyncpg
 import orjson
 from pydantic import BaseModel
 
+from service.handlers.context import current_request_id
 from service.handlers.registry import batch_handler, handler
 from service.limits import IndexedText, Int64
 
@@ -41,8 +42,6 @@ RETURNING 1
 
 @handler("entity.upsert", EntityUpsert)
 async def entity_upsert(p: EntityUpsert, conn: asyncpg.Connection) -> dict[str, Any]:
-    from service.handlers import current_request_id
-
     # The pool's jsonb codec encodes the dict (passing a JSON string would store a string).
     row = await conn.fetchval(
         _UPSERT, p.entity_id, p.version, False, p.data, current_request_id()
@@ -52,8 +51,6 @@ async def entity_upsert(p: EntityUpsert, conn: asyncpg.Connection) -> dict[str, 
 
 @handler("entity.delete", EntityDelete)
 async def entity_delete(p: EntityDelete, conn: asyncpg.Connection) -> dict[str, Any]:
-    from service.handlers import current_request_id
-
     row = await conn.fetchval(_UPSERT, p.entity_id, p.version, True, None, current_request_id())
     return {"applied": row is not None}
 

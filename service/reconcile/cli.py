@@ -14,6 +14,7 @@ import sys
 
 import structlog
 
+from service.logs import configure_logging
 from service.reconcile import preflight
 from service.reconcile.metrics import RunMetrics
 from service.reconcile.parser import EXIT_CONFIG, Args, UsageError, build_parser, yesterday
@@ -33,8 +34,6 @@ async def once(args: Args, metrics: RunMetrics) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``sqs-ingest reconcile <argv>``; returns the exit code."""
-    from service.logs import configure_logging
-
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)

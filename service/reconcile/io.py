@@ -14,13 +14,19 @@ from datetime import date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from service.reconcile.transforms import (
+    DELETE,
+    ENTITY_MODIFICATIONS_SCHEMA,
+    MODIFICATIONS_SCHEMA,
+    UPSERT,
+    Window,
+)
 from service.secrets import redact_dsn
 
 if TYPE_CHECKING:
     import asyncpg
     from pyspark.sql import DataFrame, SparkSession
 
-    from service.reconcile.transforms import Window
 
 # Distinct from the migration lock: two sidecars contend for this one, per database.
 RECONCILE_LOCK_KEY = 0x5151_2EC0
@@ -126,8 +132,6 @@ def read_modifications(
     spark: SparkSession, db: Database, start: datetime, end: datetime, partitions: int
 ) -> DataFrame:
     """``modifications`` received in ``[start, end)``, columns of MODIFICATIONS_SCHEMA."""
-    from service.reconcile.transforms import MODIFICATIONS_SCHEMA
-
     where = f"received_at >= {_ts(start)} AND received_at < {_ts(end)}"
     sub = (
         "SELECT id, request_id, request_type, status, payload_sha256, owner, received_at,"
@@ -164,8 +168,6 @@ def read_entity_modifications(spark: SparkSession, db: Database, partitions: int
     its original id). The winner of a union is the winner of the winners, so the replay
     over checkpoints plus what remains equals the replay over the whole history.
     """
-    from service.reconcile.transforms import DELETE, ENTITY_MODIFICATIONS_SCHEMA, UPSERT
-
     types = f"('{UPSERT}', '{DELETE}')"
     sub = (
         "SELECT id, request_id, request_type, payload->>'entity_id' AS entity_id,"

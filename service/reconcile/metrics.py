@@ -6,11 +6,10 @@ import time
 from typing import TYPE_CHECKING
 
 from service.reconcile import KINDS, log
+from service.reconcile.job import JobResult
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
-
-    from service.reconcile.job import JobResult
 
 PUSH_JOB = "sqs_ingest_reconcile"
 

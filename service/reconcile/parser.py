@@ -6,12 +6,18 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING
 
+from service import secrets
+from service.reconcile.io import Database, DsnError, jdbc_target
+from service.reconcile.job import JobOptions
 from service.reconcile.session import DEFAULT_JDBC_JAR
-
-if TYPE_CHECKING:
-    from service.reconcile.job import JobOptions
+from service.settings import (
+    ConfigError,
+    _read_secret_file,
+    database_url_from_env,
+    peer_lines,
+    reconcile_peers_from_env,
+)
 
 EXIT_CONFIG = 2
 
@@ -91,9 +97,6 @@ class Args:
     ns: argparse.Namespace
 
     def options(self, run_date: date) -> JobOptions:
-        from service.reconcile.io import Database, DsnError, jdbc_target
-        from service.reconcile.job import JobOptions
-
         primary_dsn, peer_dsns = self.databases()
         dbs = [Database("primary", primary_dsn)] + [
             Database(f"peer{i}", url) for i, url in enumerate(peer_dsns, start=1)
@@ -123,15 +126,6 @@ class Args:
         INGEST_DATABASE_PASSWORD[_FILE] (as the daemon). Peers: ``--peer-url``, then
         ``--peer-url-file``, else INGEST_RECONCILE_PEER_URLS_FILE / _URLS.
         """
-        from service import secrets
-        from service.settings import (
-            ConfigError,
-            _read_secret_file,
-            database_url_from_env,
-            peer_lines,
-            reconcile_peers_from_env,
-        )
-
         def canonical(label: str, text: str) -> str:
             try:
                 dsn = secrets.parse_dsn(text)

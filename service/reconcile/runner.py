@@ -9,16 +9,17 @@ import time
 from datetime import date, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from service.reconcile import log
+import asyncpg
+
+from service.reconcile import io, job, log
+from service.reconcile.job import JobOptions, JobResult
+from service.reconcile.metrics import RunMetrics
 from service.reconcile.parser import Args
 from service.reconcile.session import spark_session
+from service.secrets import safe
 
 if TYPE_CHECKING:
-    import asyncpg
     from pyspark.sql import SparkSession
-
-    from service.reconcile.job import JobOptions, JobResult
-    from service.reconcile.metrics import RunMetrics
 
 EXIT_CLEAN, EXIT_DISCREPANCIES, EXIT_FAILED = 0, 1, 3
 
@@ -64,8 +65,6 @@ class Runner:
     async def run(self, run_date: date, *, skip_if_done: bool) -> int:
         """Exit code of one run: clean, discrepancies, or failed (skipped counts as clean
         for the sidecar, ``skip_if_done``, and as failed for a one-off run)."""
-        import asyncpg
-
         opts = self.args.options(run_date)
         bound = log().bind(run_date=run_date.isoformat())
         t0 = time.monotonic()
@@ -97,8 +96,6 @@ class Runner:
         self, conn: asyncpg.Connection, opts: JobOptions, bound: Any, *, skip_if_done: bool
     ) -> int | _Written:
         """Under the reconcile lock: the results written, or the exit code of a skip."""
-        from service.reconcile import io
-
         if not await io.try_lock(conn):
             bound.warning("reconcile_skipped", reason="another reconciliation holds the lock")
             self.metrics.observe("skipped", 0.0, None)
@@ -116,8 +113,6 @@ class Runner:
     async def _check_and_write(
         self, conn: asyncpg.Connection, opts: JobOptions, bound: Any
     ) -> _Written:
-        from service.reconcile import io
-
         started_at = await io.db_now(conn)
         bound.info(
             "reconcile_started",
@@ -153,8 +148,6 @@ class Runner:
         return EXIT_DISCREPANCIES if result.total else EXIT_CLEAN
 
     def _run_spark(self, opts: JobOptions, as_of: datetime) -> JobResult:
-        from service.reconcile import job
-
         spark, owned = spark_session(
             self.args.ns.master, self.args.ns.jars, shuffle_partitions=opts.partitions
         )
@@ -170,7 +163,5 @@ class Runner:
 def _redacted_error(exc: BaseException, _opts: JobOptions) -> str:
     """The error's first line with every password this process knows blanked (drivers like
     to echo URLs; :func:`service.secrets.safe`)."""
-    from service.secrets import safe
-
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return safe(text)[:2000]

@@ -393,7 +393,7 @@ async def test_fifo_lost_claim_blocks_only_what_follows_it(backend: Backend) -> 
 def offloaded(rid: str, key: str, attributes: dict[str, Any] | None = None) -> Message:
     """A message whose payload came from S3 (``key``), with message attributes."""
     from service import attributes as attrs
-    from service.payloads import Pointer
+    from service.pointers import Pointer
 
     m = msg(rid)
     m.pointer = Pointer("payloads", key)

@@ -11,7 +11,8 @@ import boto3
 import pytest
 from aiobotocore.session import get_session
 
-from service.payloads import Fetched, Pointer, Refused, S3Payloads, Unreachable, s3_client
+from service.payloads import S3Payloads, s3_client
+from service.pointers import Fetched, Pointer, Refused, Unreachable
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""ruff and mypy (strict on service/) are part of the suite, so they stay clean."""
+"""ruff, mypy (strict on service/) and the import layers (import-linter) are part of the
+suite, so they stay clean."""
 
 from __future__ import annotations
 
@@ -19,4 +20,12 @@ def test_ruff() -> None:
 def test_mypy_strict_on_service() -> None:
     proc = subprocess.run([str(BIN / "mypy")], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_import_layers() -> None:
+    """The import-linter contracts of pyproject.toml: service/'s layers import only
+    downwards (function-level and TYPE_CHECKING imports counted), no cycle anywhere."""
+    proc = subprocess.run([str(BIN / "lint-imports"), "--no-cache"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from service import metrics
 from service.handlers import Registry, current_attributes
 from service.messages import Message, Received, parse
-from service.payloads import Fetched, Pointer, Refused, S3Payloads, Unreachable, find_pointer
+from service.payloads import S3Payloads
+from service.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
 from service.testing import FakeQueue, FakeStore
 from service.worker import EXIT_ACK_FAILED, Worker
 from tests.unit.test_worker import settings, until

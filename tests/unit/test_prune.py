@@ -13,10 +13,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from service import metrics, prune
 from service.maintenance import Maintenance
-from service.prune import (
+from service.prune import STEPS, TABLES
+from service.retention import (
     SQS_MAX_RETENTION,
-    STEPS,
-    TABLES,
     RetentionRefused,
     check_retention,
     queue_retention,

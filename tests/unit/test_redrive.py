@@ -18,8 +18,8 @@ from service.executor import PlanExecutor
 from service.handlers import Registry
 from service.messages import Received
 from service.plan import settle_failures
-from service.redrive import ReceiveLimit, RedrivePolicy, redrive
-from service.retry import RetryPolicy
+from service.redrive import redrive
+from service.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.testing import FakeQueue, FakeStore, FakeWorker, Row
 from tests.unit.test_worker import Harness, Note, _hash, body, settings, until
 

@@ -1,0 +1,52 @@
+"""The batch's S3 step: fetch the payloads of its pointer bodies (``service.payloads``) and
+plan what could not be read (``service.plan.plan_unresolved``); on a FIFO queue a message
+handed back here holds back the later messages of its group."""
+
+from __future__ import annotations
+
+from service.messages import Received
+from service.payloads import S3Payloads
+from service.plan import Plan, plan_unresolved
+from service.pointers import Fetched, Refused, Unreachable
+from service.retry import RetryPolicy
+from service.seams import StoreSeam
+
+
+async def resolve_batch(
+    payloads: S3Payloads | None, store: StoreSeam, policy: RetryPolicy,
+    part: list[Received], fifo: bool,
+) -> tuple[list[Received], dict[str, Fetched], Plan | None]:
+    """Fetch the payloads of a batch's pointer bodies. Returns the messages to parse as
+    usual, the fetched payloads by message id, and the plan for those that could not be
+    read (None when there are none). On a FIFO queue a message handed back here holds back
+    the later messages of its group (visible again at once, behind it)."""
+    resolved = await payloads.resolve(part) if payloads is not None else None
+    if not resolved:
+        return part, {}, None
+    fetched = {k: r for k, r in resolved.items() if isinstance(r, Fetched)}
+    failed: list[tuple[Received, Refused | Unreachable]] = []
+    for m in part:
+        r = resolved.get(m.message_id)
+        if r is not None and not isinstance(r, Fetched):
+            failed.append((m, r))
+    if not failed:
+        return part, fetched, None
+    # Requests these pointers were claimed by: a missing object or an S3 failure is no
+    # obstacle to acking a redelivery of a completed request as its duplicate.
+    missing = [r.pointer.uri for _, r in failed if r.pointer is not None and (
+        isinstance(r, Unreachable) or r.reason == "payload_object_missing")]
+    plan = plan_unresolved(failed, await store.known_pointers(missing) if missing else {},
+                           policy)
+    decided = {m.message_id for m, _ in failed}
+    back = {m.message_id for m, _ in plan.deferrals}
+    held: set[str] = set()
+    rest = []
+    for m in part:
+        if m.message_id in decided:
+            if fifo and m.group_id is not None and m.message_id in back:
+                held.add(m.group_id)
+        elif m.group_id is not None and m.group_id in held:
+            plan.defer(m, 0)  # behind a message of its group handed back above
+        else:
+            rest.append(m)
+    return rest, fetched, plan
