@@ -58,7 +58,7 @@ async def test_every_outcome_and_reason_series_exists_from_startup(
 ) -> None:
     """The first dead letter after a restart must be visible to increase(): its series has
     to exist (at 0) before it is incremented."""
-    from service import metrics
+    from service import labels, metrics
 
     # dead_letters gets a registry of its own: on the shared one, another test's dead
     # letter would have made the series already. The type below is new to the shared one.
@@ -78,7 +78,7 @@ async def test_every_outcome_and_reason_series_exists_from_startup(
                     "the series of a type nothing was processed for, at 0")
         assert {o: value("sqs_ingest_messages_processed_total",
                          {"type": "prime.check", "outcome": o})
-                for o in metrics.OUTCOMES} == dict.fromkeys(metrics.OUTCOMES, 0.0)
+                for o in labels.OUTCOMES} == dict.fromkeys(labels.OUTCOMES, 0.0)
         assert {r: own.get_sample_value("sqs_ingest_dead_letters_total", {"reason": r})
-                for r in metrics.DEAD_LETTER_REASONS} == dict.fromkeys(
-                    metrics.DEAD_LETTER_REASONS, 0.0)
+                for r in labels.DEAD_LETTER_REASONS} == dict.fromkeys(
+                    labels.DEAD_LETTER_REASONS, 0.0)
