@@ -33,28 +33,42 @@ DB = "ingest"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Postgres, str, str]]:
     """A cluster with roles.sql applied, scram auth for the roles, the schema migrated as
-    the owner. Yields (cluster, owner password, app password)."""
+    the owner, then roles.sql again (its grants are per table: the documented order).
+    Another application's table sits in the same schema. Yields (cluster, owner password,
+    app password); the reconcile role's password is RECONCILE_PW."""
     owner_pw = "own-" + uuid.uuid4().hex
     app_pw = "app-" + uuid.uuid4().hex
     with postgres_server() as pg:
         subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q", "-d", pg.dsn(),
                         "-c", f"CREATE DATABASE {DB}"], check=True, capture_output=True)
+        subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q", "-d", pg.dsn(DB),
+                        "-c", "CREATE TABLE other_app_orders (id int)"],
+                       check=True, capture_output=True)
         env = {**os.environ, "PGOPTIONS": f"-c sqs_ingest.owner_password={owner_pw} "
-                                          f"-c sqs_ingest.app_password={app_pw}"}
-        for _ in range(2):  # the header promises it is idempotent
+                                          f"-c sqs_ingest.app_password={app_pw} "
+                                          f"-c sqs_ingest.reconcile_password={RECONCILE_PW}"}
+
+        def apply_roles() -> None:
             res = subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q",
                                   "-d", pg.dsn(DB), "-f", str(ROLES_SQL)],
                                  env=env, capture_output=True, text=True)
             assert res.returncode == 0, res.stderr
+
+        for _ in range(2):  # the header promises it is idempotent
+            apply_roles()
         hba = Path(pg.datadir) / "pg_hba.conf"
         scram = "".join(f"host all {r} 127.0.0.1/32 scram-sha-256\n"
-                        for r in ("sqs_ingest_owner", "sqs_ingest_app"))
+                        for r in ("sqs_ingest_owner", "sqs_ingest_app", "sqs_ingest_reconcile"))
         # First match wins: the role lines go before initdb's "trust" lines.
         hba.write_text(scram + hba.read_text())
         subprocess.run([_pg_bin("psql"), "-q", "-d", pg.dsn(), "-c", "SELECT pg_reload_conf()"],
                        check=True, capture_output=True)
         asyncio.run(migrate(role_dsn(pg, "sqs_ingest_owner", owner_pw)))
+        apply_roles()  # after the migrations: the per-table grants
         yield pg, owner_pw, app_pw
+
+
+RECONCILE_PW = "rec-" + uuid.uuid4().hex
 
 
 def role_dsn(pg: Postgres, role: str, password: str, db: str = DB) -> str:
@@ -70,7 +84,8 @@ async def test_passwords_are_checked_and_tables_owned_by_owner(
     conn = await asyncpg.connect(role_dsn(pg, "sqs_ingest_app", app_pw))
     try:
         owners = {r["tableowner"] for r in await conn.fetch(
-            "SELECT tableowner FROM pg_tables WHERE schemaname = 'public'")}
+            "SELECT tableowner FROM pg_tables WHERE schemaname = 'public'"
+            " AND tablename <> 'other_app_orders'")}
         assert owners == {"sqs_ingest_owner"}
         assert await conn.fetchval("SELECT current_user") == "sqs_ingest_app"
     finally:
@@ -233,5 +248,119 @@ async def test_prune_under_the_app_role(cluster: tuple[Postgres, str, str]) -> N
         assert counts["modifications"] >= 1 and counts["dead_letters"] >= 1
         assert await conn.fetchval(
             "SELECT request_id FROM entity_checkpoints WHERE entity_id = 'role-e'") == f"{rid}-old"
+    finally:
+        await conn.close()
+
+
+# -- least privilege, exactly: what each role may do on each table ---------------------------
+
+PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+RW = {"SELECT", "INSERT", "UPDATE", "DELETE"}
+# Written independently of roles.sql: a grant widened there (or a blanket/default grant
+# coming back) makes the comparison below fail.
+EXPECTED = {
+    "sqs_ingest_app": {
+        "modifications": RW, "retry_attempts": RW, "dead_letters": RW, "outbox": RW,
+        "workers": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
+        "entity_checkpoints": {"SELECT", "INSERT", "UPDATE"},
+        "reconciliation_runs": {"SELECT", "UPDATE", "DELETE"},
+        "reconciliation_discrepancies": {"SELECT", "UPDATE", "DELETE"},
+        "ingest_schema_migrations": {"SELECT"},
+    },
+    "sqs_ingest_reconcile": {
+        "modifications": {"SELECT"}, "entities": {"SELECT"}, "entity_checkpoints": {"SELECT"},
+        "reconciliation_runs": {"SELECT", "INSERT", "DELETE"},
+        "reconciliation_discrepancies": {"INSERT"},
+    },
+}
+
+
+@pytest.mark.parametrize("role", sorted(EXPECTED))
+async def test_each_role_holds_exactly_its_grants(cluster: tuple[Postgres, str, str],
+                                                  role: str) -> None:
+    pg, _, _ = cluster
+    conn = await asyncpg.connect(pg.dsn(DB))  # superuser: asks about the role
+    try:
+        tables = [r["t"] for r in await conn.fetch(
+            "SELECT tablename AS t FROM pg_tables WHERE schemaname = 'public' ORDER BY 1")]
+        assert "other_app_orders" in tables and "modifications" in tables
+        held = {}
+        for t in tables:
+            privs = {p for p in PRIVILEGES if await conn.fetchval(
+                "SELECT has_table_privilege($1, $2, $3)", role, f"public.{t}", p)}
+            if privs:
+                held[t] = privs
+        assert held == EXPECTED[role]
+        # No default privileges hand the owner's next table to the role.
+        assert await conn.fetchval(
+            "SELECT count(*) FROM pg_default_acl d, aclexplode(d.defaclacl) a"
+            " WHERE a.grantee = (SELECT oid FROM pg_roles WHERE rolname = $1)", role) == 0
+        assert not await conn.fetchval(
+            "SELECT has_schema_privilege($1, 'public', 'CREATE')", role)
+    finally:
+        await conn.close()
+
+
+async def test_app_role_cannot_touch_migrations_or_other_tables(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    pg, _, app_pw = cluster
+    conn = await asyncpg.connect(role_dsn(pg, "sqs_ingest_app", app_pw))
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM ingest_schema_migrations") >= 4
+        for sql in ("INSERT INTO ingest_schema_migrations (version, name, checksum)"
+                    " VALUES (999, 'x', 'x')",
+                    "UPDATE ingest_schema_migrations SET checksum = 'x'",
+                    "DELETE FROM ingest_schema_migrations",
+                    "SELECT * FROM other_app_orders",
+                    "INSERT INTO other_app_orders VALUES (1)",
+                    "INSERT INTO reconciliation_runs (run_date, window_start, window_end, status,"
+                    " counts, started_at, finished_at) VALUES (current_date, now(), now(),"
+                    " 'clean', '{}', now(), now())",
+                    "DELETE FROM entities"):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def test_reconcile_role_reads_and_writes_only_its_results(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    from datetime import UTC, date, datetime
+
+    from service.reconcile import io
+
+    pg, _, _ = cluster
+    conn = await asyncpg.connect(role_dsn(pg, "sqs_ingest_reconcile", RECONCILE_PW))
+    try:
+        # What the job reads (Spark runs these through JDBC in read-only sessions)...
+        for table in ("modifications", "entities", "entity_checkpoints"):
+            await conn.fetch(f"SELECT * FROM {table} LIMIT 1")
+        # ... and what it writes, through the job's own functions: twice for one date, so
+        # the replace (DELETE of the previous run, discrepancies cascading) runs too.
+        assert await io.try_lock(conn)
+        now = datetime.now(UTC)
+        for _ in range(2):
+            run_id = await io.write_results(conn, io.RunRecord(
+                run_date=date(2026, 1, 1), window_start=now, window_end=now, status="clean",
+                counts={}, started_at=now, finished_at=now,
+                discrepancies=[("missing_in_peer", "r-1", None, "peer1", "{}")]))
+        assert await io.run_exists(conn, date(2026, 1, 1))
+        await io.unlock(conn)
+        assert run_id > 0
+        for sql in ("INSERT INTO modifications (request_id, request_type, payload,"
+                    " payload_sha256, status, sqs_message_id, owner) VALUES"
+                    " ('x', 't', '{}', 'h', 'COMPLETED', 'm', 'o')",
+                    "UPDATE entities SET version = 0",
+                    "DELETE FROM modifications",
+                    "SELECT * FROM dead_letters",
+                    "SELECT * FROM outbox",
+                    "SELECT * FROM other_app_orders",
+                    "INSERT INTO ingest_schema_migrations (version, name, checksum)"
+                    " VALUES (999, 'x', 'x')",
+                    "CREATE TABLE sneaky (id int)"):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(sql)
     finally:
         await conn.close()
