@@ -180,11 +180,15 @@ class BatchProcessor:
             reason = "processing_error"
         else:
             log.warning("batch_retry_later", message_id=m.message_id, error=describe(exc))
-            await flight.stop_extender()
-            await self.executor.change_visibility([(m, self.policy.hand_back())])
-            flight.resolve([m])
+            delay = self.policy.hand_back()
             if self.fifo and m.group_id is not None:
-                flight.held_groups.add(m.group_id)  # its group's later messages wait too
+                # Not before an earlier message of its group handed back in this batch.
+                delay = max(delay, flight.held_groups.get(m.group_id, 0))
+            await flight.stop_extender()
+            await self.executor.change_visibility([(m, delay)])
+            flight.resolve([m])
+            if self.fifo:
+                flight.hold([(m, delay)])  # its group's later messages wait as long
             return
         log.error("dead_lettered_at_fault", message_id=m.message_id, reason=reason,
                   receive_count=m.receive_count, error=describe(exc))
@@ -198,14 +202,15 @@ class BatchProcessor:
 
     async def _hold_back_groups(self, flight: InFlight, part: list[Received]) -> list[Received]:
         """FIFO: a message handed back during a bisection holds back the later messages of
-        its group (visible again at once, behind it); returns the rest of ``part``."""
+        its group (visible again when it is, not before); returns the rest of ``part``."""
         if not flight.held_groups:  # every batch but a FIFO bisection's: nothing to scan
             return part
         held = [m for m in part if m.group_id is not None and m.group_id in flight.held_groups]
         if not held:
             return part
         await flight.stop_extender()
-        await self.executor.change_visibility([(m, 0) for m in held])
+        await self.executor.change_visibility(
+            [(m, flight.held_groups[m.group_id]) for m in held if m.group_id is not None])
         flight.resolve(held)
         self._ensure_extender(flight)  # the rest of the part is still to be processed
         return [m for m in part if m not in held]
@@ -244,6 +249,8 @@ class BatchProcessor:
                 plan.letters = []
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
+        if self.fifo:
+            plan.hold_followers({m.message_id: i for i, m in enumerate(flight.batch)})
         back = [*plan.releases, *plan.deferrals]
         with tracing.step("settle", [*plan.acks, *(r for r, _ in back)]):
             await self.executor.carry_out(plan, flight)
@@ -252,7 +259,7 @@ class BatchProcessor:
         if self.fifo:
             # Within a bisection, a message handed back for any reason holds back the later
             # messages of its group in the halves still to come.
-            flight.held_groups.update(r.group_id for r, _ in back if r.group_id)
+            flight.hold(back)
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):

@@ -30,11 +30,18 @@ class InFlight:
     unresolved: dict[str, Received] = field(default_factory=dict)
     claimed: list[Message] = field(default_factory=list)
     extender: asyncio.Task[None] | None = None
-    held_groups: set[str] = field(default_factory=set)  # FIFO groups that must wait
+    # FIFO groups that must wait (bisection): group → the longest delay handed back in it.
+    held_groups: dict[str, int] = field(default_factory=dict)
     hidden_for: int = 0  # seconds of visibility so far (the 12-hour cap counts from receive)
 
     def __post_init__(self) -> None:
         self.unresolved = {m.message_id: m for m in self.batch}
+
+    def hold(self, back: Sequence[tuple[Received, int]]) -> None:
+        """Remember the FIFO groups of messages handed back and how long they wait."""
+        for r, delay in back:
+            if r.group_id is not None:
+                self.held_groups[r.group_id] = max(delay, self.held_groups.get(r.group_id, 0))
 
     def resolve(self, messages: Sequence[Received]) -> None:
         for m in messages:

@@ -26,6 +26,8 @@ class Received:
     receive_count: int = 1
     sent_timestamp: float | None = None  # epoch seconds
     group_id: str | None = None
+    # FIFO: SQS's SequenceNumber (rises within a group; the order the daemon enforces).
+    sequence_number: int | None = None
     # Read only while tracing is on (service.tracing): the string message attributes
     # (W3C traceparent/tracestate) and the AWSTraceHeader system attribute.
     attributes: dict[str, str] | None = field(default=None, hash=False, compare=False)

@@ -61,6 +61,13 @@ class Plan:
     def defer(self, received: Received, delay: int) -> None:
         self.deferrals.append((received, delay))
 
+    def hold_followers(self, position: Mapping[str, int] | None = None) -> None:
+        """FIFO: no message handed back becomes visible before an earlier one of its group
+        handed back with it (``hold_behind``)."""
+        back = hold_behind([*self.releases, *self.deferrals], position)
+        n = len(self.releases)
+        self.releases, self.deferrals = back[:n], back[n:]
+
     def merge(self, other: Plan) -> Plan:
         self.letters += other.letters
         self.acks += other.acks
@@ -120,19 +127,31 @@ def classify(
     fifo: bool,
 ) -> ClaimPlan:
     """Sort claim results into apply / duplicate / conflict / defer (batch order: FIFO order
-    within a group; a message that has to wait holds back the rest of its group)."""
+    within a group; a message that has to wait holds back the rest of its group, for at
+    least as long as it waits itself — never visible before it)."""
     out = ClaimPlan([], [], Plan())
-    blocked_groups: set[str] = set()
+    blocked_groups: dict[str, int] = {}  # group → how long its head waits
     for m in primaries:
         c = claims[m.request_id]
         group = m.raw.group_id if fifo else None
         if group is not None and group in blocked_groups:
-            out.plan.defer(m.raw, 0)
+            out.plan.defer(m.raw, blocked_groups[group])
             if c.claimed:
                 out.unclaim.append(m)
         elif c.dead_lettered:
             # Dead-lettered on an earlier delivery whose ack never happened.
             out.plan.ack(m.raw, m.type, "dead_lettered")
+        elif c.held:
+            # FIFO: an earlier message of its group is claimed (IN_PROGRESS) by some owner,
+            # dead or alive — wait for it as for a contended claim; the broker's group lock
+            # is not relied on (SPEC §6 "FIFO order").
+            delay = policy.contention()
+            log.info("fifo_group_held", message_id=m.raw.message_id, request_id=m.request_id,
+                     group=m.raw.group_id, retry_in=delay)
+            out.plan.defer(m.raw, delay)
+            out.plan.contention += 1
+            if group is not None:
+                blocked_groups[group] = delay
         elif c.claimed:
             m.failures = c.failures
             out.to_apply.append(m)
@@ -151,15 +170,43 @@ def classify(
         else:
             # IN_PROGRESS under another owner (or committed after our snapshot): come back
             # after it finished. Not a failure: does not count towards the limit.
-            out.plan.defer(m.raw, policy.contention())
+            delay = policy.contention()
+            out.plan.defer(m.raw, delay)
             out.plan.contention += 1
             if group is not None:
-                blocked_groups.add(group)
+                blocked_groups[group] = delay
+    return out
+
+
+def hold_behind(
+    back: Sequence[tuple[Received, int]], position: Mapping[str, int] | None = None
+) -> list[tuple[Received, int]]:
+    """FIFO: every message handed back waits at least as long as any earlier message of its
+    group handed back with it (by SequenceNumber, else by ``position``: message id → place
+    in the batch as received) — a follower made visible before its head could be received
+    and applied first on a broker that does not keep the group locked (SPEC §6)."""
+    pos = position or {}
+
+    def key(i: int) -> tuple[str, int, int]:
+        r = back[i][0]
+        return (r.group_id or "", r.sequence_number or 0, pos.get(r.message_id, i))
+
+    order = sorted(range(len(back)), key=key)
+    out = list(back)
+    floor: dict[str, int] = {}
+    for i in order:
+        r, delay = back[i]
+        if r.group_id is None:
+            continue
+        delay = max(delay, floor.get(r.group_id, 0))
+        floor[r.group_id] = delay
+        out[i] = (r, delay)
     return out
 
 
 def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
-    """Completed → ack; claim lost to GC → come back later; FIFO-blocked → visible now.
+    """Completed → ack; claim lost to GC → come back later; FIFO-blocked → as long as what
+    blocks it (raised to that by ``Plan.hold_followers``).
     Handler failures are settled by ``settle_failures`` once they are counted."""
     plan = Plan()
     for m, _ in res.completed:

@@ -26,6 +26,9 @@ class ClaimResult:
     owner: str | None
     failures: int
     dead_lettered: bool = False  # this SQS message is already in dead_letters
+    # FIFO: not claimed because an earlier message of its group (lower SequenceNumber) is
+    # IN_PROGRESS under some owner, dead or alive.
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)

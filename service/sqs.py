@@ -19,7 +19,8 @@ T = TypeVar("T")
 
 __all__ = ["QueueSeam", "SqsQueue", "sqs_client"]
 
-RECEIVE_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId"]
+RECEIVE_ATTRIBUTES = [
+    "ApproximateReceiveCount", "SentTimestamp", "MessageGroupId", "SequenceNumber"]
 
 
 class SqsQueue:
@@ -62,6 +63,7 @@ class SqsQueue:
                     receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
                     sent_timestamp=int(sent) / 1000.0 if sent else None,
                     group_id=attrs.get("MessageGroupId"),
+                    sequence_number=_int_or_none(attrs.get("SequenceNumber")),
                     attributes=_strings(m["MessageAttributes"])
                     if traced and "MessageAttributes" in m else None,
                     trace_header=attrs.get("AWSTraceHeader"),
@@ -239,3 +241,10 @@ async def sqs_client(
         "sqs", region_name=region, endpoint_url=endpoint_url, config=config
     ) as client:
         yield client
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value else None
+    except ValueError:  # not SQS's decimal: no order to enforce from it
+        return None

@@ -362,14 +362,23 @@ async def claim(
         owner,
         [m.attributes_json for m in ordered],
         [m.pointer.uri if m.pointer is not None else None for m in ordered],
+        [m.raw.group_id for m in ordered],
+        [_sequence(m) for m in ordered],
     )
     return {
         r["request_id"]: ClaimResult(
             r["request_id"], r["claimed"], r["status"], r["request_type"],
-            r["payload_sha256"], r["owner"], r["failures"], r["dead_lettered"],
+            r["payload_sha256"], r["owner"], r["failures"], r["dead_lettered"], r["held"],
         )
         for r in rows
     }
+
+
+def _sequence(m: Message) -> str | None:
+    """The SequenceNumber as numeric text (128 bits: beyond bigint), only with a group."""
+    if m.raw.group_id is None or m.raw.sequence_number is None:
+        return None
+    return str(m.raw.sequence_number)
 
 
 # -- one attempt of the completing transaction -------------------------------------------

@@ -110,7 +110,9 @@ class FakeQueue:
             m.receive_count += 1
             m.receipt = uuid.uuid4().hex
             out.append(Received(m.message_id, m.receipt, m.body, m.receive_count,
-                                m.sent, m.group_id, message_attributes=m.message_attributes))
+                                m.sent, m.group_id,
+                                sequence_number=self._seq[m.message_id] if self.fifo else None,
+                                message_attributes=m.message_attributes))
         return out
 
     async def delete_batch(self, messages: Sequence[Received]) -> None:
@@ -172,6 +174,8 @@ class Row:
     result: Any = None
     message_attributes: dict[str, Any] | None = None
     payload_pointer: str | None = None
+    group_id: str | None = None  # FIFO: MessageGroupId and SequenceNumber of the claim
+    sequence_number: int | None = None
 
 
 @dataclass
@@ -289,23 +293,38 @@ class FakeStore:
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         self._check()
         out = {}
+        held = {m.request_id for m in messages if self._held(m)}  # before this call's rows
         for m in messages:
             row = self.db.rows.get(m.request_id)
             fails = self.db.failures.get(m.request_id, 0)
             if m.raw.message_id in self.db.dead:
                 out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
                                                 fails, dead_lettered=True)
+            elif row is None and m.request_id in held:
+                out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
+                                                fails, held=True)
             elif row is None:
                 self.db.rows[m.request_id] = Row(
                     m.request_id, m.type, m.payload_sha256, "IN_PROGRESS", self.worker_id,
                     m.raw.message_id, message_attributes=m.attributes,
-                    payload_pointer=m.pointer.uri if m.pointer is not None else None)
+                    payload_pointer=m.pointer.uri if m.pointer is not None else None,
+                    group_id=m.raw.group_id, sequence_number=m.raw.sequence_number)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
                                                 fails)
             else:
                 out[m.request_id] = ClaimResult(m.request_id, False, row.status, row.type,
                                                 row.payload_sha256, row.owner, fails)
         return out
+
+    def _held(self, m: Message) -> bool:
+        """FIFO: an earlier message of its group is IN_PROGRESS under anyone (the claim
+        statement's rule, on the rows as they were before the call)."""
+        g, n = m.raw.group_id, m.raw.sequence_number
+        if g is None or n is None:
+            return False
+        return any(r.status == "IN_PROGRESS" and r.group_id == g and r.sequence_number is not None
+                   and r.sequence_number < n and r.request_id != m.request_id
+                   for r in self.db.rows.values())
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         self._check()

@@ -3,22 +3,35 @@
 -- name: claim
 -- One statement per batch. Input is sorted by request_id so two workers claiming
 -- overlapping batches take the unique-index locks in the same order (no deadlock).
--- $8: message attributes (jsonb text or NULL), $9: the S3 pointer the payload came from.
+-- $8: message attributes (jsonb text or NULL), $9: the S3 pointer the payload came from,
+-- $10/$11: FIFO MessageGroupId and SequenceNumber (NULL on a standard queue).
+-- FIFO order (SPEC §6): a message is held — not inserted, `held` — while an earlier message
+-- of its group (lower sequence number, another request) is IN_PROGRESS under anyone, dead
+-- or alive. Earlier messages of the same batch are the caller's (plan.classify).
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[],
-                         $8::text[], $9::text[])
+                         $8::text[], $9::text[], $10::text[], $11::numeric[])
         AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at,
-             message_attributes, payload_pointer)
+             message_attributes, payload_pointer, group_id, sequence_number)
+), held AS (
+    SELECT i.request_id FROM input i
+     WHERE i.group_id IS NOT NULL AND i.sequence_number IS NOT NULL
+       AND EXISTS (SELECT 1 FROM modifications e
+                    WHERE e.status = 'IN_PROGRESS' AND e.group_id = i.group_id
+                      AND e.sequence_number < i.sequence_number
+                      AND e.request_id <> i.request_id)
 ), ins AS (
     INSERT INTO modifications
         (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at,
-         message_attributes, payload_pointer)
+         message_attributes, payload_pointer, group_id, sequence_number)
     SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
-           sqs_message_id, $7, sent_at, message_attributes::jsonb, payload_pointer
+           sqs_message_id, $7, sent_at, message_attributes::jsonb, payload_pointer, group_id,
+           sequence_number
       FROM input
      -- This very SQS message was already dead-lettered (its ack failed or was cut
      -- short): never apply it after the fact.
      WHERE NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = input.sqs_message_id)
+       AND input.request_id NOT IN (SELECT request_id FROM held)
     ON CONFLICT (request_id) DO NOTHING
     RETURNING request_id
 )
@@ -27,9 +40,12 @@ SELECT i.request_id,
        m.status, m.request_type, m.payload_sha256, m.owner,
        coalesce(r.failures, 0) AS failures,
        EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = i.sqs_message_id)
-           AS dead_lettered
+           AS dead_lettered,
+       -- held only when no claim of its own exists (else: duplicate, conflict, contention)
+       h.request_id IS NOT NULL AND m.request_id IS NULL AS held
   FROM input i
   LEFT JOIN ins ON ins.request_id = i.request_id
+  LEFT JOIN held h ON h.request_id = i.request_id
   LEFT JOIN modifications m ON m.request_id = i.request_id
   LEFT JOIN retry_attempts r ON r.request_id = i.request_id
 

@@ -24,11 +24,13 @@ class Note(BaseModel):
     n: int
 
 
-def msg(rid: str, n: int = 1, mid: str | None = None, group: str | None = None) -> Message:
+def msg(rid: str, n: int = 1, mid: str | None = None, group: str | None = None,
+        seq: int | None = None) -> Message:
     payload = {"n": n}
     # Independent of service.messages.payload_hash: the sorted compact JSON, hashed here.
     digest = hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
-    raw = Received(mid or f"m-{rid}-{n}", "rh", json.dumps(payload), 1, None, group)
+    raw = Received(mid or f"m-{rid}-{n}", "rh", json.dumps(payload), 1, None, group,
+                   sequence_number=seq)
     return Message(raw, rid, "note", Note(n=n), payload, digest)
 
 
@@ -452,3 +454,38 @@ async def test_attributes_with_nul_characters_and_binary_values_are_stored(
         "b": {"DataType": "Binary", "BinaryValue": "AP8="},
         "s": {"DataType": "String", "StringValue": "a\\x00b"},
         "raw": {"DataType": "Binary", "BinaryValue": "AAH/"}}
+
+
+#: SQS sequence numbers are 128-bit decimals: far beyond bigint.
+SEQ = 18_446_744_073_709_551_616_000
+
+
+async def test_fifo_claim_holds_a_message_behind_an_earlier_unfinished_one_of_its_group(
+    backend: Backend,
+) -> None:
+    """SPEC §6 "FIFO order", at claim time: while an earlier message of a group (lower
+    SequenceNumber) is IN_PROGRESS under anyone — here a dead owner — a later one is held,
+    not claimed; other groups, earlier messages and a standard queue's messages are not."""
+    dead = await backend.store("w-dead")
+    head = msg("g-1", 1, group="G", seq=SEQ + 10)
+    assert (await dead.claim([head]))["g-1"].claimed
+    await backend.kill("w-dead")
+    s = await backend.store("w-live")
+    later = [msg("g-2", 2, group="G", seq=SEQ + 20), msg("h-1", 1, group="H", seq=SEQ + 21),
+             msg("g-0", 0, group="G", seq=SEQ + 5), msg("std", 1)]
+    c = await s.claim(later)
+    assert {k: (v.claimed, v.held) for k, v in c.items()} == {
+        "g-2": (False, True), "h-1": (True, False), "g-0": (True, False),
+        "std": (True, False)}
+    assert "g-2" not in await backend.statuses()  # held: no claim row of its own
+    # Its own redelivery is contention, not a hold (the rule is about other requests).
+    again = await s.claim([msg("g-1", 1, mid="m-again", group="G", seq=SEQ + 10)])
+    assert (again["g-1"].claimed, again["g-1"].held, again["g-1"].status) == (
+        False, False, "IN_PROGRESS")
+    # g-0 (earlier, claimed above) holds g-2 as well until it is finished.
+    await s.apply([later[2]], ok, fifo=True)
+    # Once the head is released (the orphan GC here), the group moves on.
+    assert (await s.claim([msg("g-2", 2, group="G", seq=SEQ + 20)]))["g-2"].held
+    assert [r["request_id"] for r in await s.gc(lease_seconds=30)] == ["g-1"]
+    c = await s.claim([msg("g-2", 2, group="G", seq=SEQ + 20)])
+    assert (c["g-2"].claimed, c["g-2"].held) == (True, False)

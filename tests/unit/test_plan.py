@@ -9,7 +9,15 @@ from pydantic import BaseModel
 
 from service.handlers import Registry
 from service.messages import Message, Received
-from service.plan import INVALID_TYPE_LABEL, classify, settle, settle_failures, triage
+from service.plan import (
+    INVALID_TYPE_LABEL,
+    Plan,
+    classify,
+    hold_behind,
+    settle,
+    settle_failures,
+    triage,
+)
 from service.retry import RetryPolicy
 from service.seams import ApplyResult, ClaimResult
 
@@ -32,8 +40,8 @@ def registry() -> Registry:
 
 
 def raw(mid: str, body: str, receives: int = 1, group: str | None = None,
-        sent: float | None = None) -> Received:
-    return Received(mid, "rh-" + mid, body, receives, sent, group)
+        sent: float | None = None, seq: int | None = None) -> Received:
+    return Received(mid, "rh-" + mid, body, receives, sent, group, sequence_number=seq)
 
 
 def note(rid: str, n: int = 1) -> str:
@@ -41,16 +49,17 @@ def note(rid: str, n: int = 1) -> str:
 
 
 def parsed(mid: str, rid: str, group: str | None = None, receives: int = 1,
-           sent: float | None = None) -> Message:
-    t = triage([raw(mid, note(rid), receives, group, sent)], registry(), POLICY)
+           sent: float | None = None, seq: int | None = None) -> Message:
+    t = triage([raw(mid, note(rid), receives, group, sent, seq)], registry(), POLICY)
     [m] = t.primaries
     return m
 
 
 def claim(rid: str, claimed: bool = False, status: str | None = None,
           sha: str | None = None, owner: str | None = None, dead: bool = False,
-          type_: str = "note") -> ClaimResult:
-    return ClaimResult(rid, claimed, status, type_ if status else None, sha, owner, 0, dead)
+          type_: str = "note", held: bool = False) -> ClaimResult:
+    return ClaimResult(rid, claimed, status, type_ if status else None, sha, owner, 0, dead,
+                       held)
 
 
 def test_triage_letters_poison_and_holds_back_a_twin() -> None:
@@ -106,12 +115,53 @@ def test_fifo_wait_holds_back_the_rest_of_the_group_and_gives_claims_back() -> N
     c = classify(ms, claims, POLICY, fifo=True)
     assert [m.request_id for m in c.to_apply] == ["b1"]
     assert [m.request_id for m in c.unclaim] == ["a2"]
-    assert [(r.message_id, d) for r, d in c.plan.deferrals] == [("m1", 2), ("m2", 0), ("m4", 0)]
+    # The followers wait as long as their head (never visible before it: issue 25).
+    assert [(r.message_id, d) for r, d in c.plan.deferrals] == [("m1", 2), ("m2", 2), ("m4", 2)]
     assert c.plan.acks == []  # a3's duplicate waits behind a1 too
     # The same batch on a standard queue: no group holds anything back.
     s = classify(ms, claims, POLICY, fifo=False)
     assert [m.request_id for m in s.to_apply] == ["a2", "b1"]
     assert [a.message_id for a in s.plan.acks] == ["m4"]
+
+
+def test_fifo_claim_held_behind_an_unfinished_earlier_message_holds_its_group() -> None:
+    """A message the claim held (an earlier one of its group is IN_PROGRESS under some
+    owner, dead or alive) is deferred like contention, and its group's later messages in the
+    batch wait at least as long, their claims given back; other groups go on."""
+    ms = [parsed("m1", "a2", "A"), parsed("m2", "b1", "B"), parsed("m3", "a3", "A")]
+    claims = {"a2": claim("a2", held=True), "b1": claim("b1", claimed=True),
+              "a3": claim("a3", claimed=True)}
+    c = classify(ms, claims, POLICY, fifo=True)
+    assert [m.request_id for m in c.to_apply] == ["b1"]
+    assert [m.request_id for m in c.unclaim] == ["a3"]
+    assert [(r.message_id, d) for r, d in c.plan.deferrals] == [("m1", 2), ("m3", 2)]
+    assert c.plan.contention == 1
+    assert c.plan.acks == []
+
+
+def test_hold_behind_followers_never_visible_before_what_blocks_them() -> None:
+    """A failed head released after a backoff (8 s) and its group's later messages handed
+    back as blocked (0): they wait 8 s too; order by SequenceNumber, whatever the list order;
+    another group and an earlier message keep their own delays."""
+    head = raw("m1", note("a1"), group="A", seq=100)
+    follower = raw("m2", note("a2"), group="A", seq=200)
+    earlier = raw("m0", note("a0"), group="A", seq=50)
+    other = raw("m3", note("b1"), group="B", seq=150)
+    plan = Plan()
+    plan.release(head, 8)
+    plan.defer(follower, 0)
+    plan.defer(other, 0)
+    plan.defer(earlier, 1)
+    plan.hold_followers()
+    assert [(r.message_id, d) for r, d in plan.releases] == [("m1", 8)]
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("m2", 8), ("m3", 0), ("m0", 1)]
+    # Without sequence numbers: the batch order the caller passes.
+    a, b = raw("x1", note("x1"), group="X"), raw("x2", note("x2"), group="X")
+    assert hold_behind([(b, 0), (a, 6)], {"x1": 0, "x2": 1}) == [(b, 6), (a, 6)]
+    assert hold_behind([(b, 0), (a, 6)], {"x1": 1, "x2": 0}) == [(b, 0), (a, 6)]
+    # Standard queue messages (no group) are never touched.
+    c = raw("s1", note("s1"))
+    assert hold_behind([(c, 0), (raw("s0", note("s0")), 9)]) == [(c, 0), (raw("s0", note("s0")), 9)]
 
 
 def test_settle_acks_completed_and_hands_back_lost_and_blocked() -> None:
