@@ -56,23 +56,6 @@ CONTRACT_METRICS = {
     "sqs_ingest_build_info",
 }
 
-IAM_ALLOWED_ACTIONS = {
-    "sqs:ReceiveMessage",
-    "sqs:DeleteMessage",  # also authorizes DeleteMessageBatch
-    "sqs:ChangeMessageVisibility",  # also authorizes ChangeMessageVisibilityBatch
-    "sqs:GetQueueAttributes",
-    "sqs:SendMessage",  # dlq replay; requeued deferrals; results to a queue (SendMessageBatch)
-    "sqs:StartMessageMoveTask",  # redrive, on the queue's own DLQ
-    "sqs:ListMessageMoveTasks",  # redrive progress, on the DLQ
-    "sqs:GetQueueUrl",  # redrive: the DLQ's URL from its ARN
-    "sns:Publish",  # results to a topic (also authorizes PublishBatch)
-    "s3:GetObject",  # payloads offloaded by the AWS extended clients
-    "s3:ListBucket",  # so that S3 answers 404 (payload_object_missing), not 403, for a gone object
-}
-QUEUE_ARN = re.compile(r"^arn:aws[a-z-]*:sqs:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,80}(\.fifo)?$")
-TOPIC_ARN = re.compile(r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
-#: One payload bucket (ListBucket) or the objects in it (GetObject), never every bucket.
-BUCKET_ARN = re.compile(r"^arn:aws[a-z-]*:s3:::[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^*]*\*?)?$")
 
 
 # ------------------------------------------------------------------- helpers
@@ -461,23 +444,7 @@ def test_ecs_schedule_rule() -> None:
         assert t["EcsParameters"]["TaskDefinitionArn"].split("/")[-1].split(":")[0] == family
 
 
-def test_iam_policy_least_privilege() -> None:
-    policy = json.loads((ECS / "iam-policy.json").read_text())
-    assert policy["Version"] == "2012-10-17"
-    actions: set[str] = set()
-    for st in policy["Statement"]:
-        assert st["Effect"] == "Allow"
-        assert not {"NotAction", "NotResource", "Principal"} & st.keys()
-        acts = [st["Action"]] if isinstance(st["Action"], str) else st["Action"]
-        res = [st["Resource"]] if isinstance(st["Resource"], str) else st["Resource"]
-        services = {a.split(":")[0] for a in acts}
-        assert len(services) == 1, f"one service per statement: {acts}"
-        arn = {"sns": TOPIC_ARN, "s3": BUCKET_ARN}.get(services.pop(), QUEUE_ARN)
-        for r in res:
-            assert arn.match(r), f"resource is not a single queue/topic ARN: {r}"
-        assert all("*" not in a for a in acts), acts
-        actions |= set(acts)
-    assert actions == IAM_ALLOWED_ACTIONS
+# IAM: tests/deploy/test_least_privilege.py
 
 
 # ---------------------------------------------------------------- Prometheus
