@@ -160,3 +160,108 @@ def test_log_group_is_created_beforehand_not_by_the_execution_role() -> None:
     injected = {s["valueFrom"] for p in ECS.glob("task-definition*.json")
                 for c in json.loads(p.read_text())["containerDefinitions"] for s in c["secrets"]}
     assert sorted(granted) == sorted(f"{arn}-*" for arn in injected)
+
+
+# -- Kubernetes -----------------------------------------------------------------------------
+
+K8S = ROOT / "deploy" / "k8s"
+
+
+def k8s_objects() -> list[dict[str, Any]]:
+    import yaml
+
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [d for f in kust["resources"] for d in yaml.safe_load_all((K8S / f).read_text()) if d]
+
+
+def pods(objs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """component -> (pod labels, pod spec) of each workload."""
+    out = {}
+    for o in objs:
+        tpl = {"Deployment": lambda o: o["spec"]["template"], "Job": lambda o: o["spec"]["template"],
+               "CronJob": lambda o: o["spec"]["jobTemplate"]["spec"]["template"]}.get(o["kind"])
+        if tpl:
+            t = tpl(o)
+            out[t["metadata"]["labels"]["app.kubernetes.io/component"]] = (
+                t["metadata"]["labels"], t["spec"])
+    return out
+
+
+def selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    sel = policy["spec"]["podSelector"]
+    if any(labels.get(k) != v for k, v in sel.get("matchLabels", {}).items()):
+        return False
+    for e in sel.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def port_set(rules: list[dict[str, Any]]) -> set[tuple[str, int]]:
+    return {(p.get("protocol", "TCP"), p["port"]) for r in rules for p in r.get("ports", [])}
+
+
+def test_one_serviceaccount_per_workload_only_the_daemon_with_an_iam_role() -> None:
+    objs = k8s_objects()
+    accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
+    used = {c: spec["serviceAccountName"] for c, (_, spec) in pods(objs).items()}
+    assert set(used) == {"daemon", "migrate", "reconcile"}
+    assert len(set(used.values())) == 3, f"a ServiceAccount shared: {used}"
+    assert set(used.values()) == set(accounts)
+    for component, name in used.items():
+        annotations = accounts[name]["metadata"].get("annotations", {})
+        has_role = "eks.amazonaws.com/role-arn" in annotations
+        assert has_role == (component == "daemon"), (component, annotations)
+        assert accounts[name]["automountServiceAccountToken"] is False
+        assert pods(objs)[component][1]["automountServiceAccountToken"] is False
+
+
+def test_network_policies_cover_every_workload_narrowly() -> None:
+    objs = k8s_objects()
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    for component, (labels, _) in pods(objs).items():
+        (pol,) = [p for p in policies if selects(p, labels)]  # exactly one applies
+        spec = pol["spec"]
+        assert set(spec["policyTypes"]) == {"Ingress", "Egress"}, component
+        ingress = spec.get("ingress", [])
+        if component == "daemon":
+            # Metrics only, only from the monitoring namespace.
+            assert port_set(ingress) == {("TCP", 9102)}
+            for rule in ingress:
+                assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": "monitoring"}}}], rule
+        else:
+            assert ingress == [], component
+        egress = spec["egress"]
+        want = {("TCP", 5432), ("UDP", 53), ("TCP", 53)}
+        if component == "daemon":
+            want |= {("TCP", 443)}
+        assert port_set(egress) == want, component
+        for rule in egress:
+            assert rule.get("ports"), f"{component}: an egress rule without ports: {rule}"
+            if {p["port"] for p in rule["ports"]} == {53}:
+                (to,) = rule["to"]
+                assert to["namespaceSelector"]["matchLabels"] == {
+                    "kubernetes.io/metadata.name": "kube-system"}
+            if {p["port"] for p in rule["ports"]} == {5432}:
+                assert all("ipBlock" in t and t["ipBlock"]["cidr"] != "0.0.0.0/0"
+                           for t in rule["to"]), rule
+
+
+def test_no_secret_in_the_base() -> None:
+    objs = k8s_objects()
+    assert not [o for o in objs if o["kind"] == "Secret"], "apply -k would overwrite it"
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert "deploy/k8s-secret-from-file/database.env" in gitignore
+    import yaml
+
+    gen = yaml.safe_load((ROOT / "deploy/k8s-secret-from-file/kustomization.yaml").read_text())
+    assert gen["resources"] == ["../k8s"]
+    (sg,) = gen["secretGenerator"]
+    assert sg["name"] == "sqs-ingest-db" and sg["envs"] == ["database.env"]
+    (ext,) = yaml.safe_load_all((K8S / "optional/external-secret.yaml").read_text())
+    assert ext["kind"] == "ExternalSecret" and ext["spec"]["target"]["name"] == "sqs-ingest-db"
+    keys = {d["secretKey"] for d in ext["spec"]["data"]}
+    example = (ROOT / "deploy/k8s-secret-from-file/database.env.example").read_text()
+    assert keys == {line.split("=", 1)[0] for line in example.splitlines() if "=" in line}
