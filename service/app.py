@@ -170,7 +170,8 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                 max_pool_connections=settings.inflight_limit + 10))
             payloads = S3Payloads(s3, settings.max_payload_bytes, settings.s3_delete_after_ack,
                                   allowed=settings.s3_buckets,
-                                  expected_owner=settings.s3_expected_owner)
+                                  expected_owner=settings.s3_expected_owner,
+                                  unreadable_after=settings.s3_unreadable_after)
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
                             publisher=publisher, payloads=payloads)
             state.worker = worker

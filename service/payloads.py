@@ -67,8 +67,12 @@ class S3Payloads:
     def __init__(
         self, client: Any, max_bytes: int, delete_after_ack: bool = False, *,
         allowed: AllowList | str = "", expected_owner: str | None = None,
+        unreadable_after: float = 3600.0,
     ) -> None:
         self._client = client
+        # Seconds S3 may refuse a pointer (from its first refusal, kept in PostgreSQL)
+        # before its message is dead-lettered as payload_unreadable.
+        self.unreadable_after = unreadable_after
         self.max_bytes = max_bytes
         self.delete_after_ack = delete_after_ack
         self.allowed = AllowList.parse(allowed) if isinstance(allowed, str) else allowed
@@ -136,7 +140,7 @@ class S3Payloads:
         metrics.s3_fetches.labels("error").inc()
         metrics.s3_errors.labels(kind).inc()
         log.warning("s3_fetch_failed", uri=p.uri, kind=kind, error=_describe(exc))
-        return Unreachable(p, f"{p.uri}: {_describe(exc)}")
+        return Unreachable(p, f"{p.uri}: {_describe(exc)}", kind)
 
     async def delete(self, pointers: Sequence[Pointer]) -> None:
         """Delete the objects of committed and acked requests. Never raises: an object left

@@ -256,13 +256,18 @@ def plan_unresolved(
     unresolved: Sequence[tuple[Received, Refused | Unreachable]],
     known: Mapping[str, KnownPointer],
     policy: RetryPolicy,
+    refused_for: Mapping[str, float] | None = None,
+    unreadable_after: float = float("inf"),
 ) -> Plan:
     """Decide messages whose payload could not be read. A missing object whose pointer was
     claimed by a COMPLETED request is a duplicate (the object was deleted after that
     request's ack, opt-in); one still IN_PROGRESS waits like any contention; otherwise
     the message is a dead letter that keeps its pointer body. S3 failures are deferred
-    with backoff (not the message's fault), never dead-lettered — unless the pointer's
-    request is COMPLETED: then, as for a missing object, the message is its duplicate."""
+    with backoff (not the message's fault) — unless the pointer's request is COMPLETED:
+    then, as for a missing object, the message is its duplicate; or unless S3 has refused
+    the pointer for ``unreadable_after`` seconds or more (``refused_for``, from its first
+    refusal): then it is a dead letter, ``payload_unreadable``, that keeps its pointer body
+    (``dlq replay`` once access is fixed)."""
     plan = Plan()
     for raw, r in unresolved:
         if isinstance(r, Unreachable):
@@ -271,6 +276,15 @@ def plan_unresolved(
                 # Its request needs no payload: deferred, it would cycle as long as S3
                 # refuses, outliving the request's row (retention) and then applied again.
                 plan.ack(raw, done.request_type, "duplicate")
+                continue
+            age = (refused_for or {}).get(r.pointer.uri) if r.refused else None
+            if age is not None and age >= unreadable_after:
+                error = (f"{r.error} (refused for {age:.0f} s since the first refusal, "
+                         f"INGEST_S3_UNREADABLE_AFTER={unreadable_after:g})")
+                _s3_log.warning("poison_message", message_id=raw.message_id,
+                                reason="payload_unreadable", error=error)
+                plan.letter(raw, DeadLetter.of_received(raw, "payload_unreadable", error),
+                            INVALID_TYPE_LABEL)
                 continue
             # Not the message's fault: a deferral (an S3 outage never pushes it to the
             # queue's own DLQ; service.redrive), after the usual backoff.

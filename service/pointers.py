@@ -75,10 +75,24 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class Unreachable:
-    """S3 failed in a way that may pass (throttling, 5xx, network, access): retry later."""
+    """S3 failed in a way that may pass (throttling, 5xx, network, access): retry later.
+    ``kind``: the ``s3_errors_total`` label; a refusal (S3 answered, and said no) is
+    counted against ``INGEST_S3_UNREADABLE_AFTER``."""
 
     pointer: Pointer
     error: str
+    kind: str = "network"
+
+    @property
+    def refused(self) -> bool:
+        """S3 itself refused this object (403, a KMS key it cannot use, another non-missing
+        4xx), as opposed to not answering (network, 5xx, throttling: an outage, no fault
+        of the object, never a dead letter)."""
+        return self.kind in REFUSAL_KINDS
+
+
+#: The S3 error kinds that count towards INGEST_S3_UNREADABLE_AFTER.
+REFUSAL_KINDS = frozenset({"access_denied", "client"})
 
 
 Resolution = Fetched | Refused | Unreachable

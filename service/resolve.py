@@ -20,7 +20,9 @@ async def resolve_batch(
     usual, the fetched payloads by message id, and the plan for those that could not be
     read (None when there are none). On a FIFO queue a message handed back here holds back
     the later messages of its group (visible again at once, behind it)."""
-    resolved = await payloads.resolve(part) if payloads is not None else None
+    if payloads is None:
+        return part, {}, None
+    resolved = await payloads.resolve(part)
     if not resolved:
         return part, {}, None
     fetched = {k: r for k, r in resolved.items() if isinstance(r, Fetched)}
@@ -35,8 +37,12 @@ async def resolve_batch(
     # obstacle to acking a redelivery of a completed request as its duplicate.
     missing = [r.pointer.uri for _, r in failed if r.pointer is not None and (
         isinstance(r, Unreachable) or r.reason == "payload_object_missing")]
+    # S3 refusals: the first one's time is kept in the database (restarts, fresh copies).
+    refusals = {r.pointer.uri: r.error for _, r in failed
+                if isinstance(r, Unreachable) and r.refused}
+    refused_for = await store.note_refusals(refusals) if refusals else {}
     plan = plan_unresolved(failed, await store.known_pointers(missing) if missing else {},
-                           policy)
+                           policy, refused_for, payloads.unreadable_after)
     decided = {m.message_id for m, _ in failed}
     back = {m.message_id for m, _ in plan.deferrals}
     held: set[str] = set()

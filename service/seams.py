@@ -5,7 +5,7 @@ that cross them. ``service.sqs.SqsQueue`` / ``service.store.Store`` are the real
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -166,6 +166,10 @@ class StoreSeam(Protocol):
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         """The requests claimed with these payload pointers (``s3://bucket/key``)."""
+
+    async def note_refusals(self, errors: Mapping[str, str]) -> dict[str, float]:
+        """Record S3 refusals of these pointers (uri → error); returns the seconds since
+        each one's first refusal."""
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,

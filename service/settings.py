@@ -92,6 +92,9 @@ class Settings(BaseSettings):
         s3_buckets: the buckets (``bucket`` or ``bucket/prefix``, comma-separated) S3
             pointers may be read from; a pointer elsewhere is dead-lettered unread as
             ``payload_bucket_not_allowed``. Unset: no pointer is read.
+        s3_unreadable_after: seconds S3 may refuse a pointer (403, KMS; counted from its
+            first refusal, kept in PostgreSQL) before its message is dead-lettered as
+            ``payload_unreadable``.
         s3_expected_owner: account id passed as ``ExpectedBucketOwner`` on every S3 call.
         s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
             committed and acked (default: keep it; expire it with a lifecycle rule).
@@ -134,6 +137,7 @@ class Settings(BaseSettings):
     s3_delete_after_ack: bool = False
     s3_buckets: str = ""
     s3_expected_owner: str | None = None
+    s3_unreadable_after: float = Field(3600.0, gt=0, allow_inf_nan=False)
     results_topic_arn: str | None = None
     results_queue_url: str | None = None
     results_endpoint_url: str | None = None

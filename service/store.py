@@ -8,7 +8,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -17,6 +17,7 @@ import asyncpg
 import orjson
 
 from service.errors import DatabaseUnavailable
+from service.limits import storable
 from service.messages import Message
 from service.migrate import check_schema
 from service.seams import (
@@ -222,6 +223,17 @@ class Store:
             rows = await conn.fetch(Q["known_pointers"], list(uris))
         return {r["payload_pointer"]: KnownPointer(r["request_id"], r["request_type"],
                                                    r["status"]) for r in rows}
+
+    async def note_refusals(self, errors: Mapping[str, str]) -> dict[str, float]:
+        """Record that S3 refused these pointers (uri → error); returns, per pointer, the
+        seconds since its first refusal (kept across restarts and fresh copies)."""
+        if not errors:
+            return {}
+        uris = sorted(errors)  # one row each; a stable lock order between replicas
+        async with connection(self.pool) as conn:
+            rows = await conn.fetch(Q["note_refusals"], uris,
+                                    [storable(errors[u])[:2000] for u in uris])
+        return {r["pointer"]: float(r["refused_for"]) for r in rows}
 
     async def apply(
         self,

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -202,6 +202,7 @@ class FakeDatabase:
     failures: dict[str, int] = field(default_factory=dict)
     workers: dict[str, FakeWorker] = field(default_factory=dict)
     outbox: list[FakeOutboxRow] = field(default_factory=list)
+    refusals: dict[str, float] = field(default_factory=dict)  # pointer → first refusal (epoch)
     down: bool = False
     schema_behind: bool = False
     schema_checks: int = 0
@@ -332,6 +333,11 @@ class FakeStore:
         return {r.payload_pointer: KnownPointer(r.request_id, r.type, r.status)
                 for r in self.db.rows.values() if r.payload_pointer in wanted
                 and r.payload_pointer is not None}
+
+    async def note_refusals(self, errors: Mapping[str, str]) -> dict[str, float]:
+        self._check()
+        now = time.time()
+        return {u: now - self.db.refusals.setdefault(u, now) for u in errors}
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,

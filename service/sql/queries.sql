@@ -54,6 +54,18 @@ SELECT i.request_id,
 SELECT payload_pointer, request_id, request_type, status FROM modifications
  WHERE payload_pointer = ANY($1::text[])
 
+-- name: note_refusals
+-- S3 refused to serve these pointers (again): the first refusal's time stays, the rest
+-- is updated. Returns how long each has been refused (seconds), measured by the database
+-- clock like every other time the daemon keeps. $1 pointers (distinct), $2 errors.
+INSERT INTO payload_refusals AS r (pointer, last_error)
+SELECT * FROM unnest($1::text[], $2::text[])
+    ON CONFLICT (pointer) DO UPDATE
+   SET last_refused_at = statement_timestamp(), refusals = r.refusals + 1,
+       last_error = excluded.last_error
+RETURNING pointer,
+          extract(epoch FROM statement_timestamp() - r.first_refused_at)::float8 AS refused_for
+
 -- name: fence
 -- Lock this worker's claims before running handlers: GC cannot delete a locked row,
 -- and a claim GC already collected is simply not returned (so never completed).

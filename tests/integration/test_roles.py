@@ -262,6 +262,7 @@ EXPECTED = {
     "sqs_ingest_app": {
         "modifications": RW, "retry_attempts": RW, "dead_letters": RW, "outbox": RW,
         "workers": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
+        "payload_refusals": {"SELECT", "INSERT", "UPDATE"},
         "entity_checkpoints": {"SELECT", "INSERT", "UPDATE"},
         "reconciliation_runs": {"SELECT", "UPDATE", "DELETE"},
         "reconciliation_discrepancies": {"SELECT", "UPDATE", "DELETE"},
@@ -364,3 +365,26 @@ async def test_reconcile_role_reads_and_writes_only_its_results(
                 await conn.execute(sql)
     finally:
         await conn.close()
+
+
+async def test_payload_refusals_under_the_app_role(cluster: tuple[Postgres, str, str]) -> None:
+    """The first refusal of an S3 pointer (migration 006) is upserted by the app role with
+    its grants from roles.sql: INSERT, then ON CONFLICT DO UPDATE that keeps
+    first_refused_at."""
+    from service.store import Store, create_pool
+
+    pg, _, app_pw = cluster
+    pool = await create_pool(role_dsn(pg, "sqs_ingest_app", app_pw), 2)
+    uri = f"s3://payloads/{uuid.uuid4().hex}"
+    try:
+        store = Store(pool)
+        first = await store.note_refusals({uri: "AccessDenied"})
+        again = await store.note_refusals({uri: "AccessDenied again"})
+        assert set(first) == set(again) == {uri}
+        assert again[uri] > first[uri] >= 0  # counted from the first refusal, not reset
+        async with pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "SELECT refusals, last_error FROM payload_refusals WHERE pointer = $1", uri)
+        assert (row["refusals"], row["last_error"]) == (2, "AccessDenied again")
+    finally:
+        await pool.close()

@@ -281,7 +281,7 @@ class Rig:
 
     def __init__(self, *, max_bytes: int = 1 << 20, delete_after_ack: bool = False,
                  fifo: bool = False, allowed: str = "payloads",
-                 expected_owner: str | None = None) -> None:
+                 expected_owner: str | None = None, unreadable_after: float = 3600) -> None:
         self.events: list[str] = []
         self.queue = AckRecordingQueue(self.events, fifo)
         self.store = FakeStore()
@@ -292,7 +292,8 @@ class Rig:
                              note_registry(self.seen), visibility_timeout=30, rng=lambda: 0.0,
                              payloads=S3Payloads(self.s3, max_bytes, delete_after_ack,
                                                  allowed=allowed,
-                                                 expected_owner=expected_owner))
+                                                 expected_owner=expected_owner,
+                                                 unreadable_after=unreadable_after))
         self.task: asyncio.Task[int] | None = None
 
     async def stop(self) -> int:
@@ -556,3 +557,36 @@ def test_settings_of_the_allow_list() -> None:
                      ({"s3_expected_owner": "acme"}, "INGEST_S3_EXPECTED_OWNER")):
         with pytest.raises(ConfigError, match=var):
             load_settings(**base, **bad)
+
+
+# -- unreadable payloads (INGEST_S3_UNREADABLE_AFTER) --------------------------------------
+
+
+async def test_a_refusal_past_the_bound_is_a_dead_letter_and_an_outage_never_is(
+    rig_factory: Any,
+) -> None:
+    """S3 refuses k1 (403) and fails k2 (500) alike. Within the bound both are handed back;
+    once the first refusal of k1 (kept by the store) is older than the bound, k1 is a dead
+    letter ``payload_unreadable`` with its pointer body; k2 — S3 not answering, not refusing
+    — is still handed back however old, and the inline neighbour completes meanwhile."""
+    rig = await rig_factory(unreadable_after=60)
+    rig.queue.max_receive_count = 50
+    for key, code, status in (("k1", "AccessDenied", 403), ("k2", "InternalError", 500)):
+        rig.s3.put(key, doc(f"r-{key}"))
+        rig.s3.fail[key] = client_error(code, status)
+    b1, b2 = pointer_body("k1"), sns(pointer_body("k2"))
+    m1, m2 = rig.queue.send(b1), rig.queue.send(b2)
+    rig.queue.send(doc("inline").decode())
+    await until(lambda: {m1, m2} <= {i for i, _ in rig.queue.visibility_calls}, "handed back")
+    assert not rig.store.dead and set(rig.store.rows) == {"inline"}
+    assert set(rig.store.db.refusals) == {"s3://payloads/k1"}  # the 500 is no refusal
+    rig.store.db.refusals["s3://payloads/k1"] -= 61  # the first refusal, a minute ago
+    for mid, _ in list(rig.queue.visibility_calls):
+        if mid in rig.queue.messages:
+            rig.queue.messages[mid].visible_at = 0  # next receive now, not after the backoff
+    await until(lambda: m1 in rig.store.dead, "dead-lettered past the bound")
+    d = rig.store.dead[m1]
+    assert (d.reason, d.body) == ("payload_unreadable", b1)
+    assert "INGEST_S3_UNREADABLE_AFTER=60" in (d.error or "")
+    assert m2 in rig.queue.messages and m2 not in rig.store.dead
+    assert rig.queue.dead_lettered_by_sqs == []
