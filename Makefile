@@ -3,13 +3,20 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install services stop run test test-fast test-reconcile lint bench bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
+.PHONY: install install-run services stop run test test-fast test-reconcile lint bench bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
 
 install:
 	scripts/install.sh
 
-services: install
-	scripts/services.sh start
+## make install-run: what `make run` needs only (PostgreSQL, runtime deps, the SQS emulator)
+install-run:
+	scripts/install.sh run
+
+## make services: PostgreSQL starts while the venv is built (neither needs the other)
+services:
+	scripts/install.sh run debian
+	set -e; scripts/services.sh postgres & pg=$$!; scripts/install.sh run python; wait $$pg; \
+	  scripts/services.sh start
 
 stop:
 	scripts/services.sh stop

@@ -1,41 +1,88 @@
 #!/usr/bin/env bash
-# Installs everything sqs-ingest needs on a fresh Debian 12 machine (run as root), idempotently:
-# Debian packages (PostgreSQL, Java + JDBC driver for reconcile, Prometheus/promtool for the
-# metrics tests), the virtualenv and the project with its extras.
+# Installs what sqs-ingest needs on a fresh Debian 12 machine (run as root), idempotently.
+#
+#   scripts/install.sh run   # `make run`: PostgreSQL, the venv with the daemon's runtime
+#                            # dependencies and the SQS emulator (moto server) — nothing else
+#   scripts/install.sh       # `make install` / `make test`: the above, plus Java + the JDBC
+#                            # driver (reconcile), promtool, kubectl, the Spark extra, the dev
+#                            # tools and LocalStack's venv
+#
+# INSTALL_PLAN=1 prints what would be installed (the Debian packages and pip's extras) and
+# changes nothing; with INSTALL_PRETEND_BARE=1 it plans as if the machine had none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PROFILE=${1:-all}
+STEP=${2:-both}  # debian | python | both: `make run` starts PostgreSQL between the two
+case "$PROFILE/$STEP" in run/* | all/*) ;; *) echo "usage: $0 [run|all] [debian|python]" >&2; exit 64 ;; esac
+bare=${INSTALL_PRETEND_BARE:-0}
+has() { [ "$bare" != 1 ] && command -v "$1" >/dev/null; }
+has_file() { [ "$bare" != 1 ] && [ -e "$1" ]; }
+have_pg() { [ "$bare" != 1 ] && { ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null; }; }
 
 need_apt=()
-have_pg() { ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null; }
+has python3 || need_apt+=(python3)
+# Debian's python3 makes no venv without python3-venv (ensurepip).
+{ has python3 && python3 -c 'import ensurepip' 2>/dev/null; } || need_apt+=(python3-venv)
 have_pg || need_apt+=(postgresql postgresql-contrib)
-command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
-[ -f /usr/share/java/postgresql.jar ] || need_apt+=(libpostgresql-jdbc-java)
-if [ "${INSTALL_OPS_TOOLS:-1}" = 1 ]; then
-  command -v promtool >/dev/null || need_apt+=(prometheus)
-  # `kubectl kustomize` renders deploy/k8s in tests/deploy (required in `make test`).
-  command -v kubectl >/dev/null || command -v kustomize >/dev/null || need_apt+=(kubectl)
+if [ "$PROFILE" = all ]; then
+  has java || need_apt+=(openjdk-17-jre-headless)
+  has_file /usr/share/java/postgresql.jar || need_apt+=(libpostgresql-jdbc-java)
+  if [ "${INSTALL_OPS_TOOLS:-1}" = 1 ]; then
+    has promtool || need_apt+=(prometheus)
+    # `kubectl kustomize` renders deploy/k8s in tests/deploy (required in `make test`).
+    has kubectl || has kustomize || need_apt+=(kubectl)
+  fi
 fi
-command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
-if [ ${#need_apt[@]} -gt 0 ]; then
+# One resolver run per profile: aiobotocore pins botocore, boto3/moto must agree with it.
+# emulator = moto server (+ boto3, which scripts/services.sh uses to create the queue).
+extras=emulator
+[ "$PROFILE" = all ] && extras=dev,reconcile,emulator
+localstack=$([ "$PROFILE" = all ] && [ "${INSTALL_LOCALSTACK:-1}" = 1 ] && echo yes || echo no)
+if [ "${INSTALL_PLAN:-0}" = 1 ]; then
+  echo "debian: ${need_apt[*]}"
+  echo "pip: .[$extras]"
+  echo "localstack: $localstack"
+  exit 0
+fi
+
+if [ ${#need_apt[@]} -gt 0 ] && [ "$STEP" != python ]; then
   scripts/apt-install.sh "${need_apt[@]}"
   # The Debian prometheus package starts a server where an init system runs; we start our own.
   (command -v systemctl >/dev/null && systemctl disable --now prometheus prometheus-node-exporter) \
     >/dev/null 2>&1 || true
 fi
 
+[ "$STEP" != debian ] || exit 0
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv || { apt-get install -y -qq python3-venv >/dev/null && "$PY" -m venv .venv; }
-fi
-stamp=.venv/.installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  # One resolver run: aiobotocore pins botocore, boto3/moto must agree with it.
-  .venv/bin/python -m pip install -q -e '.[dev,reconcile]'
-  touch "$stamp"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+full=.venv/.installed  # the whole set (profile all) is a superset of run's
+if [ "$PROFILE" = all ]; then
+  if [ ! -f "$full" ] || [ pyproject.toml -nt "$full" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e ".[$extras]"
+    touch "$full"
+  fi
+else
+  stamp=.venv/.installed-run
+  if { [ ! -f "$full" ] || [ pyproject.toml -nt "$full" ]; } \
+     && { [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; }; then
+    # uv, not pip, on the first-run path: pip spent ~2 of its ~2.3 minutes here fetching and
+    # parsing index pages one project at a time (botocore's alone ~11 s); uv resolves and
+    # downloads the same set in ~10 s (README "First run"). pip remains the fallback.
+    uv=$(command -v uv || true)
+    if [ -z "$uv" ] && .venv/bin/python -m pip install -q uv && .venv/bin/uv --version >/dev/null 2>&1; then
+      uv=.venv/bin/uv
+    fi
+    if [ -n "$uv" ]; then
+      "$uv" pip install -q --python .venv/bin/python -e ".[$extras]"
+    else
+      .venv/bin/python -m pip install -q -e ".[$extras]"
+    fi
+    touch "$stamp"
+  fi
 fi
 
 # LocalStack in host mode for the tests that need realistic SQS/SNS/S3 and for `make bench`.
-if [ "${INSTALL_LOCALSTACK:-1}" = 1 ]; then
+if [ "$localstack" = yes ]; then
   scripts/localstack-venv.sh
 fi

@@ -21,8 +21,7 @@ BIN=$(pg_bin)
 as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 DB_USER=$([ "$(id -u)" = 0 ] && echo postgres || id -un)
 
-case "${1:-start}" in
-start)
+start_postgres() {
   if ! pg_isready -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null; then
     if [ ! -d "$PG_DIR/data" ]; then
       mkdir -p "$PG_DIR/sock"
@@ -38,8 +37,16 @@ start)
   psql -q -h 127.0.0.1 -p "$PG_PORT" -U "$DB_USER" -d postgres -tc \
     "SELECT 1 FROM pg_database WHERE datname = 'ingest'" | grep -q 1 \
     || psql -q -h 127.0.0.1 -p "$PG_PORT" -U "$DB_USER" -d postgres -c "CREATE DATABASE ingest"
+}
 
-  http_ok() { .venv/bin/python -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=1)" "$1" >/dev/null 2>&1; }
+case "${1:-start}" in
+postgres)  # PostgreSQL alone: needs no venv, so `make run` starts it while the venv is built
+  start_postgres
+  ;;
+start)
+  start_postgres
+  # The system python3, not the venv's: nothing here needs more than the standard library.
+  http_ok() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=1)" "$1" >/dev/null 2>&1; }
   if ! http_ok "http://127.0.0.1:$SQS_PORT/moto-api/"; then
     # Its own session: Ctrl-C on `make run` (SIGINT to the terminal's process group) stops
     # the daemon, not the emulator that stays up for next time.
@@ -54,10 +61,19 @@ start)
     echo "SQS emulator already up on 127.0.0.1:$SQS_PORT"
   fi
   export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-testing} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-testing}
-  url=$(.venv/bin/python - "$SQS_PORT" "$QUEUE" <<'PY'
-import sys, boto3
-c = boto3.client("sqs", endpoint_url=f"http://127.0.0.1:{sys.argv[1]}", region_name="us-east-1")
-print(c.create_queue(QueueName=sys.argv[2], Attributes={"VisibilityTimeout": "30"})["QueueUrl"])
+  # SQS's query protocol over urllib: importing boto3 here cost ~6 s of the first run. moto
+  # picks the service from the credential scope and checks no signature.
+  url=$(python3 - "$SQS_PORT" "$QUEUE" <<'PY'
+import re, sys, urllib.parse, urllib.request
+form = {"Action": "CreateQueue", "QueueName": sys.argv[2], "Version": "2012-11-05",
+        "Attribute.1.Name": "VisibilityTimeout", "Attribute.1.Value": "30"}
+req = urllib.request.Request(
+    f"http://127.0.0.1:{sys.argv[1]}/", data=urllib.parse.urlencode(form).encode(),
+    headers={"Content-Type": "application/x-www-form-urlencoded",
+             "Authorization": "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/sqs/"
+                              "aws4_request, SignedHeaders=host, Signature=0"})
+body = urllib.request.urlopen(req, timeout=30).read().decode()
+print(re.search(r"<QueueUrl>([^<]+)</QueueUrl>", body).group(1))
 PY
 )
   cat >"$RUN/env" <<ENV
@@ -74,5 +90,5 @@ stop)
   [ -d "$PG_DIR/data" ] && as_pg "$BIN/pg_ctl" -w -D "$PG_DIR/data" stop -m fast >/dev/null || true
   echo "stopped"
   ;;
-*) echo "usage: $0 start|stop" >&2; exit 64 ;;
+*) echo "usage: $0 start|postgres|stop" >&2; exit 64 ;;
 esac
