@@ -144,6 +144,12 @@ def prime(types: Iterable[str]) -> None:
         s3_deletes.labels(deleted)
     for table in labels.PRUNED_TABLES:  # the pruner's tables, one series each
         pruned_rows.labels(table)
+    # Without these the dashboard's SQS-errors and results panels were empty after a restart
+    # and increase() missed the first SQS error (issue 24).
+    for operation in labels.SQS_OPERATIONS:
+        sqs_errors.labels(operation)
+    for status in labels.RESULT_STATUSES:
+        results_published.labels(status)
 
 
 Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]
