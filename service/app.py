@@ -13,16 +13,18 @@ import structlog
 from aiobotocore.session import get_session
 
 from service import diagnose, metrics
-from service.errors import TransientError
+from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
-from service.migrate import SchemaBehind, check_schema
+from service.migrate import check_schema
 from service.payloads import S3Payloads, s3_client
-from service.results import Publisher, results_sink
+from service.pgerrors import CONNECTION_ERRORS
+from service.results import Publisher
 from service.retention import RetentionRefused, check_retention, queue_retention
 from service.retry import Backoff
 from service.settings import Settings
+from service.sinks import results_sink
 from service.sqs import SqsQueue, sqs_client
-from service.store import CONNECTION_ERRORS, Store, create_pool
+from service.store import Store, create_pool
 from service.worker import EXIT_FATAL, Worker
 
 log = structlog.get_logger("sqs_ingest.app")
@@ -94,10 +96,10 @@ async def run(settings: Settings, early_signals: list[int] | None = None) -> int
              http_port=settings.http_port)
     try:
         return await _with_database(settings, state)
-    except asyncpg.PostgresError as exc:
+    except (asyncpg.PostgresError, DatabaseError) as exc:
         if diagnose.is_permanent(exc):
             raise  # wrong password, no such database: the CLI prints the fix, exit 2
-        log.error("fatal_database_error", error=str(exc))
+        log.error("fatal_database_error", error=str(driver_error(exc)))
         return EXIT_FATAL
     finally:
         if runner is not None:

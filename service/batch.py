@@ -20,7 +20,7 @@ import structlog
 from service import metrics, tracing
 from service.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
 from service.dbhealth import DatabaseHealth
-from service.errors import AckFailed, DatabaseUnavailable, TransientError
+from service.errors import AckFailed, DatabaseUnavailable, DataRejected, TransientError
 from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
@@ -39,7 +39,6 @@ from service.resolve import resolve_batch
 from service.retry import ReceiveLimit, RetryPolicy
 from service.seams import DeadLetter, QueueSeam, StoreSeam
 from service.settings import SQS_MAX_VISIBILITY
-from service.store import DATA_ERRORS
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -154,7 +153,7 @@ class BatchProcessor:
 
     def _worth_bisecting(self, exc: BaseException, left: list[Received]) -> bool:
         return (
-            isinstance(exc, DATA_ERRORS)
+            isinstance(exc, DataRejected)
             or any(self._offender(m.receive_count) for m in left)
         )
 
@@ -174,7 +173,7 @@ class BatchProcessor:
     async def _blame(self, flight: InFlight, m: Received, exc: BaseException) -> None:
         """A message that fails alone: dead-letter it if the database refuses one of its
         values, or if it has failed far beyond the retry limit; else hand it back."""
-        if isinstance(exc, DATA_ERRORS):
+        if isinstance(exc, DataRejected):
             reason = "rejected_by_database"
         elif self._offender(m.receive_count):
             reason = "processing_error"

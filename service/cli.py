@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from service.reconcile.cli import main as reconcile_main
 
         return reconcile_main(argv[1:])
+    from service.errors import ConfigError
     from service.secrets import safe, scrubbing_excepthook
-    from service.settings import ConfigError
 
     sys.excepthook = scrubbing_excepthook  # an unforeseen traceback: no password in it
     args = _parser().parse_args(argv)
@@ -210,7 +210,8 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _migrate(settings: Settings) -> int:
     import asyncpg
 
-    from service.migrate import MigrationChanged, migrate
+    from service.errors import MigrationChanged
+    from service.migrate import migrate
     from service.secrets import safe
 
     try:
@@ -230,6 +231,7 @@ async def _migrate(settings: Settings) -> int:
 async def _gc(settings: Settings) -> int:
     import asyncpg
 
+    from service.errors import DatabaseError, driver_error
     from service.secrets import safe
     from service.store import Store, create_pool
 
@@ -242,8 +244,8 @@ async def _gc(settings: Settings) -> int:
     try:
         store = Store(pool, worker_id="gc-cli")
         rows = await store.gc(settings.worker_lease)
-    except asyncpg.PostgresError as exc:
-        print(safe(f"sqs-ingest: gc failed: {exc}"), file=sys.stderr)
+    except (asyncpg.PostgresError, DatabaseError) as exc:  # the store's: DatabaseError
+        print(safe(f"sqs-ingest: gc failed: {driver_error(exc)}"), file=sys.stderr)
         return 1
     finally:
         await pool.close()

@@ -9,11 +9,9 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from service import metrics
-from service.errors import DatabaseUnavailable
-from service.migrate import SchemaBehind
+from service.errors import DB_ERRORS, DatabaseUnavailable, SchemaBehind
 from service.retry import Backoff
 from service.seams import StoreSeam
-from service.store import CONNECTION_ERRORS, DB_ERRORS
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -42,7 +40,7 @@ class DatabaseHealth:
 
     def error(self, exc: BaseException) -> None:
         """A background statement failed: an outage only if the connection is gone."""
-        if isinstance(exc, (DatabaseUnavailable, *CONNECTION_ERRORS)):
+        if isinstance(exc, DatabaseUnavailable | OSError):
             self.down(exc)
         else:
             metrics.db_errors.inc()

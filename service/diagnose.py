@@ -27,8 +27,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from service.errors import IngestError
-from service.migrate import SchemaBehind
+from service.errors import IngestError, SchemaBehind
 from service.secrets import safe
 from service.settings import Settings
 

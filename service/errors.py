@@ -1,6 +1,17 @@
-"""The error hierarchy: what is permanent (dead-letter), transient (retry) or fatal."""
+"""Every error of sqs-ingest's own, and what each means: permanent (dead-letter), transient
+(retry), fatal, or bad configuration.
+
+The adapters translate their drivers' errors into these once, where they happen: the store
+turns asyncpg's into ``DatabaseUnavailable`` / ``DataRejected`` / ``DatabaseError`` at the
+connection (the driver's error stays the ``__cause__``: ``service.diagnose`` reads it), the
+queue and the S3 client turn botocore's into ``TransientError`` / ``AckFailed``. Nothing
+above the adapters imports a driver's exceptions (the import-linter contract in
+pyproject.toml).
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 
 class IngestError(Exception):
@@ -11,8 +22,28 @@ class TransientError(IngestError):
     """Retry later: the message stays on the queue."""
 
 
+class PermanentError(IngestError):
+    """Retrying cannot help: the message at fault is dead-lettered."""
+
+
 class DatabaseUnavailable(TransientError):
     """PostgreSQL cannot be reached; stop receiving until it comes back."""
+
+
+class DatabaseError(IngestError):
+    """A statement failed on the database's side while the database is there (a bad
+    statement, a privilege, a constraint): the store's translation of the driver's error,
+    which is its ``__cause__``."""
+
+
+class DataRejected(DatabaseError, PermanentError):
+    """The database refused a value (SQLSTATE class 22 data exception, 54 program limit
+    exceeded, e.g. an index entry too large): the fault of one message, not of its batch."""
+
+
+#: What the orchestration treats as "the database call failed": an outage, a failed
+#: statement, or a call that timed out (``TimeoutError`` is an ``OSError``).
+DB_ERRORS: tuple[type[BaseException], ...] = (DatabaseUnavailable, DatabaseError, OSError)
 
 
 class AckFailed(IngestError):
@@ -28,5 +59,42 @@ class AckFailed(IngestError):
         self.detail = detail
 
 
+class SchemaBehind(Exception):
+    """The database lacks migrations this code needs."""
+
+
+class _Migration(Protocol):
+    @property
+    def filename(self) -> str: ...
+
+
+class MigrationChanged(SchemaBehind):
+    """An applied migration's file no longer matches what was applied (its checksum).
+
+    A ``SchemaBehind``: wherever a schema that is behind is refused (``run``, ``/readyz``),
+    so is this one.
+    """
+
+    def __init__(self, migration: _Migration) -> None:
+        super().__init__(
+            f"migration {migration.filename} was changed after it was applied (checksum "
+            "differs from ingest_schema_migrations): restore the file and put the change "
+            "in a new migration"
+        )
+        self.migration = migration
+
+
+class ConfigError(Exception):
+    """Bad or missing configuration: the CLI exits 2 with this one-line message."""
+
+
 class RetentionRefused(Exception):
     """A retention a redelivery could outlive: exit 2 with this one line."""
+
+
+def driver_error(exc: BaseException) -> BaseException:
+    """What to show of an error an adapter translated: the driver's own (its cause), so
+    operator output and dead letters read as before the translation."""
+    if isinstance(exc, DatabaseUnavailable | DatabaseError) and exc.__cause__ is not None:
+        return exc.__cause__
+    return exc

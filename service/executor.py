@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from service import metrics
+from service.errors import DB_ERRORS
 from service.messages import Message, Received
 from service.plan import Plan
 from service.retry import ReceiveLimit
 from service.seams import QueueSeam, StoreSeam
-from service.store import DB_ERRORS
 
 log = structlog.get_logger("sqs_ingest.worker")
 

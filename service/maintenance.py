@@ -15,13 +15,12 @@ import structlog
 
 from service import metrics, prune, retention
 from service.dbhealth import DatabaseHealth
-from service.errors import RetentionRefused, TransientError
+from service.errors import DB_ERRORS, RetentionRefused, TransientError
 from service.messages import Received
 from service.results import Publisher
 from service.retry import ReceiveLimit
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
-from service.store import DB_ERRORS
 
 log = structlog.get_logger("sqs_ingest.worker")
 

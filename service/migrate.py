@@ -17,6 +17,10 @@ from pathlib import Path
 import asyncpg
 import structlog
 
+from service.errors import MigrationChanged, SchemaBehind
+
+__all__ = ["MigrationChanged", "SchemaBehind", "check_schema", "migrate"]
+
 log = structlog.get_logger(__name__)
 
 # Arbitrary but fixed: every sqs-ingest process contends for this one lock.
@@ -46,26 +50,6 @@ class Migration:
     @property
     def filename(self) -> str:
         return f"{self.version:03d}_{self.name}.sql"
-
-
-class SchemaBehind(Exception):
-    """The database lacks migrations this code needs."""
-
-
-class MigrationChanged(SchemaBehind):
-    """An applied migration's file no longer matches what was applied (its checksum).
-
-    A ``SchemaBehind``: wherever a schema that is behind is refused (``run``, ``/readyz``),
-    so is this one.
-    """
-
-    def __init__(self, migration: Migration) -> None:
-        super().__init__(
-            f"migration {migration.filename} was changed after it was applied (checksum "
-            "differs from ingest_schema_migrations): restore the file and put the change "
-            "in a new migration"
-        )
-        self.migration = migration
 
 
 def migrations_dir() -> Path:

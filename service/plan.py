@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from service.errors import driver_error
 from service.handlers.registry import Registry
 from service.labels import INVALID_TYPE_LABEL
 from service.limits import storable
@@ -224,7 +225,9 @@ def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:
 
 
 def describe(exc: BaseException) -> str:
-    """A storable one-line error (recorded in retry_attempts and dead_letters)."""
+    """A storable one-line error (recorded in retry_attempts and dead_letters): of an error
+    the store translated, the database's own (``errors.driver_error``)."""
+    exc = driver_error(exc)
     return storable(f"{type(exc).__name__}: {exc}")[:2000]
 
 

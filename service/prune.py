@@ -50,6 +50,7 @@ import structlog
 
 from service import metrics
 from service.labels import PRUNED_TABLES
+from service.pgerrors import translate
 from service.retention import DAY
 from service.settings import Settings
 from service.sql import queries
@@ -145,17 +146,26 @@ async def prune_once(
     ``db``: a DSN (the pass opens and closes its own connection: the daemon's pools stay
     free) or a pool (one connection is held for the pass). ``stop`` ends the pass between
     batches. Batch size and pause: ``settings.prune_batch_size`` / ``prune_pause``.
+
+    The driver's errors leave as ``service.errors`` (``DatabaseUnavailable``,
+    ``DatabaseError``), the driver's own as their cause.
     """
-    async with _connection(db) as conn:
-        if dry_run:
-            return await count_due(conn, settings)
-        if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", PRUNE_LOCK_KEY):
-            log.info("prune_skipped", reason="another pruner holds the lock")
-            return None
-        try:
-            return await _pass(conn, settings, stop)
-        finally:
-            await _unlock(conn)
+    try:
+        async with _connection(db) as conn:
+            if dry_run:
+                return await count_due(conn, settings)
+            if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", PRUNE_LOCK_KEY):
+                log.info("prune_skipped", reason="another pruner holds the lock")
+                return None
+            try:
+                return await _pass(conn, settings, stop)
+            finally:
+                await _unlock(conn)
+    except Exception as exc:
+        ours = translate(exc)
+        if ours is None:
+            raise
+        raise ours from exc
 
 
 async def _unlock(conn: asyncpg.Connection) -> None:

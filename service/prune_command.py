@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import sys
 
-import asyncpg
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import prune
-from service.errors import TransientError
+from service.errors import DB_ERRORS, TransientError, driver_error
 from service.retention import RetentionRefused, check_retention, queue_retention, safe_without_queue
 from service.secrets import safe
 from service.settings import Settings
@@ -48,9 +47,10 @@ async def command(settings: Settings, dry_run: bool, queue_url_set: bool = True)
                     reason="retentions exceed SQS's maximum MessageRetentionPeriod")
     try:
         counts = await prune.prune_once(settings.database_dsn, settings, dry_run=dry_run)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except DB_ERRORS as failed:  # the driver's error is the cause (service.pgerrors)
+        cause = driver_error(failed)
         print(safe(f"sqs-ingest: prune failed on {settings.database_redacted}: "
-                   f"{type(exc).__name__}: {exc}"), file=sys.stderr)
+                   f"{type(cause).__name__}: {cause}"), file=sys.stderr)
         return 1
     if counts is None:
         print("another pruner holds the lock (a daemon replica or a prune run): nothing done")

@@ -100,6 +100,18 @@ class OutboxRow:
     group_id: str | None
 
 
+class ResultsSink(Protocol):
+    """A destination: sends up to ten rows (``bodies[i]`` is the message of ``rows[i]``),
+    returns the ids of those accepted."""
+
+    fifo: bool
+
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
+        """Send ``rows`` (at most ten, within the call's byte limit) in one call; the ids
+        the destination accepted. Raises ``TransientError`` when it refused the whole
+        call."""
+
+
 #: Sends claimed rows to the destination; returns the ids it accepted (the others stay
 #: pending). Raises ``TransientError`` when the destination refused the whole call.
 SendRows = Callable[[list[OutboxRow]], Awaitable[set[int]]]

@@ -20,6 +20,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import secrets
+
+# Re-exported: ``from service.settings import ConfigError`` keeps working.
+from service.errors import ConfigError as ConfigError
 from service.s3access import AllowList
 
 ENV_PREFIX = "INGEST_"
@@ -28,10 +31,6 @@ SQS_MAX_VISIBILITY = 43_200
 #: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
 #: retention, must stay a timestamp (and ``inf`` is no interval). A century.
 MAX_RETENTION_DAYS = 36_500
-
-
-class ConfigError(Exception):
-    """Bad or missing configuration: the CLI exits 2 with this one-line message."""
 
 
 class Settings(BaseSettings):

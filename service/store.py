@@ -20,6 +20,7 @@ from service.errors import DatabaseUnavailable
 from service.limits import storable
 from service.messages import Message
 from service.migrate import check_schema
+from service.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, translate, unavailable
 from service.seams import (
     ApplyResult,
     BatchCall,
@@ -37,41 +38,11 @@ from service.seams import (
 from service.sql import queries
 
 __all__ = [
-    "CONNECTION_ERRORS", "DATA_ERRORS", "DB_ERRORS", "ApplyResult", "BatchCall", "BatchKey",
-    "ClaimResult", "DeadLetter", "HandlerCall", "OutboxSeam", "Store", "StoreSeam", "claim",
-    "create_pool",
+    "ApplyResult", "BatchCall", "BatchKey", "ClaimResult", "DeadLetter", "HandlerCall",
+    "OutboxSeam", "Store", "StoreSeam", "claim", "create_pool",
 ]
 
 Q = queries()
-
-# Errors that mean "the database is not there", as opposed to a bad statement.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.AdminShutdownError,
-    asyncpg.TooManyConnectionsError,
-)
-
-#: The database refused a value (SQLSTATE class 22 data exception, 54 program limit
-#: exceeded, e.g. an index entry too large): the fault of a message, not of the batch.
-DATA_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.DataError, asyncpg.ProgramLimitExceededError
-)
-
-#: What the worker treats as "the database call failed" (outage or server-side error).
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    DatabaseUnavailable, asyncpg.PostgresError, *CONNECTION_ERRORS
-)
-
-#: Raised inside a handler by PostgreSQL itself, not by the handler's logic.
-RETRY_TRANSACTION: tuple[type[BaseException], ...] = (
-    asyncpg.DeadlockDetectedError,
-    asyncpg.SerializationError,
-    asyncpg.LockNotAvailableError,
-)
 
 #: Conflicts (deadlock, serialization, lock not available) rerun as is this many times;
 #: after that, one by one, and a conflict is the failure of the message that hit it.
@@ -83,7 +54,9 @@ def new_worker_id() -> str:
 
 
 class connection:  # lower case: used like a function, ``async with connection(pool)``
-    """A pooled connection; a lost database surfaces as DatabaseUnavailable.
+    """A pooled connection, and the one place the store's driver errors are translated
+    (``service.pgerrors.translate``): a lost database surfaces as DatabaseUnavailable, a
+    refused value as DataRejected, any other failed statement as DatabaseError.
 
     A small class rather than ``@asynccontextmanager``: it wraps every store call (the
     generator form cost 2.6 % of the daemon's CPU in a profile of ``make bench``)."""
@@ -97,19 +70,17 @@ class connection:  # lower case: used like a function, ``async with connection(p
         try:
             return await self._acquire.__aenter__()
         except CONNECTION_ERRORS as exc:
-            raise _unavailable(exc) from exc
+            raise unavailable(exc) from exc
 
     async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         try:
             await self._acquire.__aexit__(typ, exc, tb)
         except CONNECTION_ERRORS as release_exc:
-            raise _unavailable(release_exc) from release_exc
-        if isinstance(exc, CONNECTION_ERRORS):
-            raise _unavailable(exc) from exc
-
-
-def _unavailable(exc: BaseException) -> DatabaseUnavailable:
-    return DatabaseUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
+            raise unavailable(release_exc) from release_exc
+        if exc is not None:
+            ours = translate(exc)
+            if ours is not None:
+                raise ours from exc
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:

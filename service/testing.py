@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from service.errors import AckFailed, DatabaseUnavailable, TransientError
+from service.errors import AckFailed, DatabaseUnavailable, SchemaBehind, TransientError
 from service.messages import Message, Received
-from service.migrate import SchemaBehind
 from service.seams import (
     ApplyResult,
     Batching,
@@ -30,6 +29,7 @@ from service.seams import (
     OutboxRow,
     OutboxSeam,
     QueueSeam,
+    ResultsSink,
     SendRows,
     StoreSeam,
 )
@@ -455,7 +455,7 @@ class FakeStore:
 
 
 class FakeSink:
-    """An in-memory results destination (``service.results.ResultsSink``): records what
+    """An in-memory results destination (``service.seams.ResultsSink``): records what
     it accepted; ``refuse`` makes every call fail, ``refuse_ids`` single entries."""
 
     def __init__(self, fifo: bool = False) -> None:
@@ -504,7 +504,7 @@ async def _run_batched(
 
 
 def _conforms(
-    queue: FakeQueue, store: FakeStore
-) -> tuple[QueueSeam, StoreSeam, OutboxSeam]:
+    queue: FakeQueue, store: FakeStore, sink: FakeSink
+) -> tuple[QueueSeam, StoreSeam, OutboxSeam, ResultsSink]:
     """mypy checks here that the fakes satisfy the seams the worker is typed against."""
-    return queue, store, store
+    return queue, store, store, sink

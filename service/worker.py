@@ -16,7 +16,7 @@ import structlog
 from service import metrics
 from service.batch import EXIT_ACK_FAILED, BatchProcessor
 from service.dbhealth import DatabaseHealth
-from service.errors import TransientError
+from service.errors import DB_ERRORS, TransientError
 from service.handlers import Registry
 from service.labels import INVALID_TYPE_LABEL
 from service.maintenance import Maintenance
@@ -26,7 +26,6 @@ from service.results import Publisher
 from service.retry import Backoff, ReceiveLimit, RetryPolicy, wait_any
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
-from service.store import DB_ERRORS
 
 log = structlog.get_logger("sqs_ingest.worker")
 

@@ -15,7 +15,8 @@ import boto3
 import pytest
 from aiobotocore.session import get_session
 
-from service.results import Publisher, SnsSink, SqsSink
+from service.results import Publisher
+from service.sinks import SnsSink, SqsSink
 from service.store import Store, create_pool
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -699,3 +700,32 @@ async def test_fifo_lost_claim_holds_back_the_rest_of_its_group(
     assert [m.request_id for m in res.lost] == ["a1"]
     assert [m.request_id for m in res.blocked] == ["a2"]
     assert [m.request_id for m, _ in res.completed] == ["b1"]
+
+
+async def test_driver_errors_leave_the_store_as_service_errors(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """The store translates asyncpg's errors once, at the connection: a value the database
+    refuses is DataRejected, any other failed statement DatabaseError, each with the
+    driver's error as its cause (what service.diagnose and the dead letters read)."""
+    from service.errors import DatabaseError, DataRejected, PermanentError
+    from service.plan import describe
+
+    a = await registered(pool, "w-a")
+    small = msg("r1")
+    # A unique-index entry larger than a B-tree page allows (the door normally stops it).
+    huge = Message(small.raw, os.urandom(4000).hex(), small.type, small.payload, small.payload_json,
+                   small.payload_sha256)
+    with pytest.raises(DataRejected) as rejected:
+        await a.claim([huge])
+    assert isinstance(rejected.value, PermanentError)
+    assert isinstance(rejected.value.__cause__, asyncpg.ProgramLimitExceededError)
+    assert describe(rejected.value).startswith("ProgramLimitExceededError: ")
+    await db.execute("ALTER TABLE workers RENAME TO workers_gone")
+    try:
+        with pytest.raises(DatabaseError) as failed:
+            await a.heartbeat()
+        assert not isinstance(failed.value, DataRejected)
+        assert isinstance(failed.value.__cause__, asyncpg.UndefinedTableError)
+    finally:
+        await db.execute("ALTER TABLE workers_gone RENAME TO workers")

@@ -7,10 +7,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import asyncpg
 import pytest
 from pydantic import BaseModel
 
+from service.errors import DataRejected
 from service.handlers import Registry
 from service.messages import Message, parse
 from service.seams import ClaimResult
@@ -31,8 +31,11 @@ class RefusingStore(FakeStore):
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         self.claims.append([m.request_id for m in messages])
         if any(m.request_id.startswith("hostile") for m in messages):
-            raise asyncpg.exceptions.ProgramLimitExceededError(
-                "index row size 5016 exceeds btree version 4 maximum 2704")
+            # What the real store raises for asyncpg's ProgramLimitExceededError (the seam
+            # speaks service.errors: service.pgerrors translates at the connection).
+            raise DataRejected(
+                "ProgramLimitExceededError: index row size 5016 exceeds btree version 4 "
+                "maximum 2704")
         return await super().claim(messages)
 
 
@@ -209,7 +212,7 @@ async def test_a_refused_letter_does_not_count_a_handler_failure_twice() -> None
     class Refusing(FakeStore):
         async def dead_letter(self, letters: Sequence[Any]) -> None:
             if any(d.reason == "invalid_json" for d in letters):
-                raise asyncpg.exceptions.CharacterNotInRepertoireError("invalid byte sequence")
+                raise DataRejected("CharacterNotInRepertoireError: invalid byte sequence")
             await super().dead_letter(letters)
 
     r = _failing_on_negative()

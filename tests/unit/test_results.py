@@ -12,17 +12,10 @@ from pydantic import BaseModel
 
 from service import metrics
 from service.handlers import Registry
-from service.results import (
-    MAX_BYTES,
-    Publisher,
-    ResultsSink,
-    bodies_of,
-    entry,
-    fifo_id,
-    result_body,
-)
-from service.seams import OutboxRow
+from service.results import MAX_BYTES, Publisher, bodies_of, result_body
+from service.seams import OutboxRow, ResultsSink
 from service.settings import Settings
+from service.sinks import entry, fifo_id
 from service.testing import FakeQueue, FakeSink, FakeStore
 from service.worker import EXIT_OK, Worker
 from tests.unit.test_worker import until
