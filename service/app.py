@@ -21,7 +21,7 @@ from service.pgerrors import CONNECTION_ERRORS
 from service.results import Publisher
 from service.retention import RetentionRefused, check_retention, queue_retention
 from service.retry import Backoff
-from service.settings import Settings
+from service.settings import CONTROL_POOL_SIZE, Settings
 from service.sinks import results_sink
 from service.sqs import SqsQueue, sqs_client
 from service.store import Store, create_pool
@@ -120,7 +120,7 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
         print(f"sqs-ingest: {exc}", flush=True)
         return EXIT_FATAL
     state.db = True
-    control_pool = await create_pool(settings.database_dsn, 2)
+    control_pool = await create_pool(settings.database_dsn, CONTROL_POOL_SIZE)
     pools = [pool, control_pool]
     if settings.results_enabled:
         # The publisher holds a connection across each send: its own, one per loop.

@@ -26,6 +26,8 @@ from service.errors import ConfigError as ConfigError
 from service.s3access import AllowList
 
 ENV_PREFIX = "INGEST_"
+#: Connections of the daemon's control pool (heartbeat, GC, releases: never behind a batch).
+CONTROL_POOL_SIZE = 2
 # SQS refuses a visibility timeout beyond 12 hours.
 SQS_MAX_VISIBILITY = 43_200
 #: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
@@ -238,6 +240,14 @@ class Settings(BaseSettings):
     @property
     def results_enabled(self) -> bool:
         return bool(self.results_topic_arn or self.results_queue_url)
+
+    @property
+    def db_connections(self) -> int:
+        """PostgreSQL connections one replica opens at most: the batch pool
+        (INGEST_DB_POOL_SIZE), the control pool and, with results on, the publishers' pool.
+        Replicas x this must fit max_connections (README "Sizing"; tests/deploy)."""
+        results = self.results_publishers + 1 if self.results_enabled else 0
+        return self.db_pool_size + CONTROL_POOL_SIZE + results
 
     @property
     def is_fifo(self) -> bool:
