@@ -140,9 +140,15 @@ def test_connections_per_replica_counts_every_pool() -> None:
 
 
 def test_sizing_inputs_are_what_the_readme_states() -> None:
+    """README "Sizing" shows the formula with these very inputs and results."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     sizing = readme.split("### Sizing", 1)[1].split("\n### ", 1)[0]
-    for figure in (f"{SIZING['per_replica_msgs_per_second']:,}", str(SIZING["target_backlog_seconds"]),
-                   f"{QUEUE_LENGTH:,}", str(SIZING["postgres_max_connections"]),
-                   str(SIZING["reserved_connections"])):
-        assert figure in sizing, figure
+    per_replica = settings_from({}).db_connections
+    most = BUDGET // per_replica
+    for line in (
+        f"R x T             = {SIZING['per_replica_msgs_per_second']:,} msg/s x "
+        f"{SIZING['target_backlog_seconds']} s = {QUEUE_LENGTH:,}",
+        f"= floor(({SIZING['postgres_max_connections']} - {SIZING['reserved_connections']}) / "
+        f"{per_replica}) = {most}",
+    ):
+        assert line in sizing, line
