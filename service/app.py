@@ -175,7 +175,8 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                                   expected_owner=settings.s3_expected_owner,
                                   unreadable_after=settings.s3_unreadable_after)
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
-                            publisher=publisher, payloads=payloads)
+                            publisher=publisher, payloads=payloads,
+                            max_message_bytes=int(attrs.get("MaximumMessageSize", 262144)))
             state.worker = worker
             if state.stop.is_set():
                 worker.request_stop()

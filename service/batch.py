@@ -18,6 +18,7 @@ from collections.abc import Callable
 import structlog
 
 from service import metrics, tracing
+from service.budget import MemoryBudget
 from service.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
 from service.dbhealth import DatabaseHealth
 from service.errors import AckFailed, DatabaseUnavailable, DataRejected, TransientError
@@ -63,6 +64,7 @@ class BatchProcessor:
         fatal: Fatal,
         payloads: S3Payloads | None = None,
         limit: ReceiveLimit | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -75,13 +77,20 @@ class BatchProcessor:
         self.limit = limit or ReceiveLimit(policy.max_failures, fifo)
         self.executor = PlanExecutor(queue, store, self.limit)
         self.fatal = fatal
+        self.budget = budget  # INGEST_MAX_INFLIGHT_BYTES (None: nothing counted)
         self.payloads = payloads  # S3-offloaded payloads (None: pointers are not resolved)
         # request_ids claimed by batches in flight (the own-leak GC spares them)
         self.holding: collections.Counter[str] = collections.Counter()
 
-    async def run(self, batch: list[Received]) -> None:
+    async def run(self, batch: list[Received], owner: object | None = None) -> None:
+        """``owner``: who holds the batch's bytes in the memory budget (its bodies, taken by
+        the poll that received it); everything it holds is given back at the end."""
         started = time.monotonic()
         flight = InFlight(batch)
+        if owner is not None:
+            flight.budget_owner = owner
+            if self.budget is not None:
+                flight.body_bytes = self.budget.holds(owner)
         metrics.in_flight.inc(len(batch))
         flight.extender = asyncio.create_task(self._extend_visibility(flight), name="extender")
         try:
@@ -95,6 +104,8 @@ class BatchProcessor:
             self.fatal(EXIT_ACK_FAILED, "ack_failed", message_ids=exc.message_ids,
                        error=exc.detail)
         finally:
+            if self.budget is not None:
+                self.budget.give_all(flight.budget_owner)
             flight.extender.cancel()
             for m in flight.claimed:
                 self._drop_holding(m.request_id)
@@ -226,8 +237,9 @@ class BatchProcessor:
             del self.holding[request_id]
 
     async def _process(self, flight: InFlight, part: list[Received]) -> None:
-        rest, fetched, unread = await resolve_batch(
-            self.payloads, self.store, self.policy, part, self.fifo)
+        owner = flight.budget_owner if self.budget is not None else None
+        rest, fetched, unread, later = await resolve_batch(
+            self.payloads, self.store, self.policy, part, self.fifo, owner)
         t = triage(rest, self.registry, self.policy, fetched)
         del fetched  # parsed: the payloads' bytes are not held through the commit
         plan = t.plan if unread is None else t.plan.merge(unread)
@@ -259,6 +271,13 @@ class BatchProcessor:
             # Within a bisection, a message handed back for any reason holds back the later
             # messages of its group in the halves still to come.
             flight.hold(back)
+        if later:
+            # Payloads that did not fit the memory budget: this round's are committed now,
+            # their bytes go back, and the rest of the batch is resolved in another round.
+            del t, plan
+            assert self.budget is not None
+            self.budget.give(self.budget.holds(owner) - flight.body_bytes, owner)
+            await self._process(flight, later)
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):

@@ -33,6 +33,8 @@ class InFlight:
     # FIFO groups that must wait (bisection): group → the longest delay handed back in it.
     held_groups: dict[str, int] = field(default_factory=dict)
     hidden_for: int = 0  # seconds of visibility so far (the 12-hour cap counts from receive)
+    budget_owner: object = field(default_factory=object)  # its bytes in the memory budget
+    body_bytes: int = 0  # of which its bodies (the rest: payloads of the current round)
 
     def __post_init__(self) -> None:
         self.unresolved = {m.message_id: m for m in self.batch}

@@ -76,6 +76,12 @@ message_lag = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
     registry=REGISTRY,
 )
+inflight_bytes = Gauge(
+    P + "inflight_bytes", "Bytes of message bodies and S3 payloads held for messages in flight "
+    "(INGEST_MAX_INFLIGHT_BYTES is the budget)", registry=REGISTRY)
+budget_waits = Counter(
+    P + "budget_waits", "Receives that waited for room in INGEST_MAX_INFLIGHT_BYTES "
+    "(back-pressure)", registry=REGISTRY)
 in_flight = Gauge(P + "in_flight_messages", "Messages received and not yet acked or released",
                   registry=REGISTRY)
 queue_visible = Gauge(P + "queue_visible_messages",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,7 @@ from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import metrics
+from service.budget import MemoryBudget
 from service.labels import S3ErrorKind
 from service.messages import Received
 from service.pointers import MARK, Fetched, Pointer, Refused, Resolution, Unreachable, find_pointer
@@ -61,6 +63,22 @@ def _missing(exc: ClientError) -> bool:
     return code in _MISSING_CODES or status == 404
 
 
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    body: Any
+    size: int
+
+
+class Later:
+    """A pointer whose payload does not fit the memory budget now: resolved in a later
+    round of the same batch, once the payloads of this round are committed."""
+
+    __slots__ = ()
+
+
+LATER = Later()
+
+
 class S3Payloads:
     """Fetches (and, opt-in, deletes) offloaded payloads through an aiobotocore S3 client."""
 
@@ -81,10 +99,20 @@ class S3Payloads:
         self._owner: dict[str, str] = \
             {"ExpectedBucketOwner": expected_owner} if expected_owner else {}
         self._warned_unset = False
+        # INGEST_MAX_INFLIGHT_BYTES: set by the worker (None: payloads are not counted).
+        self.budget: MemoryBudget | None = None
 
-    async def resolve(self, batch: Sequence[Received]) -> dict[str, Resolution]:
+    async def resolve(
+        self, batch: Sequence[Received], owner: object | None = None,
+    ) -> dict[str, Resolution | Later]:
         """message_id → resolution for the pointers of a batch, fetched concurrently. A batch
-        without pointers costs one substring test per body and no S3 call."""
+        without pointers costs one substring test per body and no S3 call.
+
+        With a memory ``budget``, each payload's bytes are taken for ``owner`` (the batch)
+        once its Content-Length is known, before it is read: what fits now is read, the
+        rest is ``Later`` (closed unread; the batch commits what it holds, gives those
+        bytes back, then resolves the rest). Only a batch holding no payload bytes waits
+        for room — so batches never wait on each other's payloads (no deadlock)."""
         found: dict[str, Pointer | Refused] = {}
         for r in batch:
             if MARK in r.body:
@@ -93,11 +121,54 @@ class S3Payloads:
                     found[r.message_id] = p
         if not found:
             return {}
-        done = await asyncio.gather(*(
-            self.fetch(p) if isinstance(p, Pointer) else _same(p) for p in found.values()))
-        return dict(zip(found, done, strict=True))
+        opened = await asyncio.gather(*(
+            self._open(p) if isinstance(p, Pointer) else _same(p) for p in found.values()))
+        items = list(zip(found, found.values(), opened, strict=True))
+        out: dict[str, Resolution | Later] = {}
+        to_read: list[tuple[str, Pointer, _Opened]] = []
+        budget = self.budget if owner is not None else None
+        for i, (mid, p, o) in enumerate(items):
+            if not isinstance(o, _Opened):
+                out[mid] = o
+                continue
+            assert isinstance(p, Pointer)
+            if budget is None or budget.try_take(o.size, owner, urgent=True):
+                to_read.append((mid, p, o))
+                continue
+            if to_read:  # holding payload bytes of this round: never wait for more
+                o.body.close()  # read in a later round, after this one's commit
+                out[mid] = LATER
+                continue
+            # Holding none: wait for room for this one; the rest waits for a later round.
+            for mid2, _, other in items[i + 1:]:
+                if isinstance(other, _Opened):
+                    other.body.close()
+                    out[mid2] = LATER
+                else:
+                    out[mid2] = other
+            try:
+                await budget.take(o.size, owner, urgent=True)
+            except BaseException:
+                o.body.close()
+                raise
+            to_read.append((mid, p, o))
+            break
+        read = await asyncio.gather(*(self._read(p, o.body, o.size) for _, p, o in to_read))
+        for (mid, _, o), res in zip(to_read, read, strict=True):
+            out[mid] = res
+            if budget is not None and not isinstance(res, Fetched):
+                budget.give(o.size, owner)
+        return {mid: out[mid] for mid in found if mid in out}
 
     async def fetch(self, p: Pointer) -> Resolution:
+        """One pointer's payload (no memory budget)."""
+        o = await self._open(p)
+        if not isinstance(o, _Opened):
+            return o
+        return await self._read(p, o.body, o.size)
+
+    async def _open(self, p: Pointer) -> _Opened | Refused | Unreachable:
+        """GetObject and its size check: the body is not read yet."""
         if not self.allowed.admits(p):
             # Checked before any S3 call: a bucket outside the list is never read.
             if not self.allowed and not self._warned_unset:
@@ -125,6 +196,9 @@ class S3Payloads:
             return Refused(p, "payload_too_large",
                            f"{p.uri}: {size if size is not None else 'unknown'} bytes, "
                            f"INGEST_MAX_PAYLOAD_BYTES={self.max_bytes}")
+        return _Opened(body, size)
+
+    async def _read(self, p: Pointer, body: Any, size: int) -> Resolution:
         try:
             data = await _read_exactly(body, size)
         except _S3_FAILURES as exc:

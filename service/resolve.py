@@ -5,7 +5,7 @@ handed back here holds back the later messages of its group."""
 from __future__ import annotations
 
 from service.messages import Received
-from service.payloads import S3Payloads
+from service.payloads import Later, S3Payloads
 from service.plan import Plan, plan_unresolved
 from service.pointers import Fetched, Refused, Unreachable
 from service.retry import RetryPolicy
@@ -14,25 +14,40 @@ from service.seams import StoreSeam
 
 async def resolve_batch(
     payloads: S3Payloads | None, store: StoreSeam, policy: RetryPolicy,
-    part: list[Received], fifo: bool,
-) -> tuple[list[Received], dict[str, Fetched], Plan | None]:
+    part: list[Received], fifo: bool, owner: object | None = None,
+) -> tuple[list[Received], dict[str, Fetched], Plan | None, list[Received]]:
     """Fetch the payloads of a batch's pointer bodies. Returns the messages to parse as
     usual, the fetched payloads by message id, and the plan for those that could not be
-    read (None when there are none). On a FIFO queue a message handed back here holds back
-    the later messages of its group (visible again at once, behind it)."""
+    read (None when there are none), and the messages left for a later round: their
+    payload did not fit the memory budget now (``owner``: the batch it is counted for).
+    On a FIFO queue a message handed back or left for later here holds back the later
+    messages of its group (handed back: visible again at once, behind it; or later too)."""
     if payloads is None:
-        return part, {}, None
-    resolved = await payloads.resolve(part)
+        return part, {}, None, []
+    resolved = await payloads.resolve(part, owner)
     if not resolved:
-        return part, {}, None
+        return part, {}, None, []
     fetched = {k: r for k, r in resolved.items() if isinstance(r, Fetched)}
+    later_ids = {k for k, r in resolved.items() if isinstance(r, Later)}
+    if later_ids:
+        # FIFO: what follows a message left for later in its group waits for it too.
+        waiting: set[str] = set()
+        for m in part:
+            if m.message_id in later_ids:
+                if fifo and m.group_id is not None:
+                    waiting.add(m.group_id)
+            elif fifo and m.group_id is not None and m.group_id in waiting:
+                later_ids.add(m.message_id)
+    later = [m for m in part if m.message_id in later_ids]
+    if later:
+        part = [m for m in part if m.message_id not in later_ids]
     failed: list[tuple[Received, Refused | Unreachable]] = []
     for m in part:
         r = resolved.get(m.message_id)
-        if r is not None and not isinstance(r, Fetched):
+        if r is not None and not isinstance(r, (Fetched, Later)):
             failed.append((m, r))
     if not failed:
-        return part, fetched, None
+        return part, fetched, None, later
     # Requests these pointers were claimed by: a missing object or an S3 failure is no
     # obstacle to acking a redelivery of a completed request as its duplicate.
     missing = [r.pointer.uri for _, r in failed if r.pointer is not None and (
@@ -55,4 +70,4 @@ async def resolve_batch(
             plan.defer(m, 0)  # behind a message of its group handed back above
         else:
             rest.append(m)
-    return rest, fetched, plan
+    return rest, fetched, plan, later

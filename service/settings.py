@@ -33,6 +33,10 @@ SQS_MAX_VISIBILITY = 43_200
 #: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
 #: retention, must stay a timestamp (and ``inf`` is no interval). A century.
 MAX_RETENTION_DAYS = 36_500
+#: INGEST_MAX_INFLIGHT_BYTES: bodies + S3 payloads in flight. Measured (bench/payload_memory.py,
+#: BENCHMARKS.md "Memory budget"): up to ~11x their raw size in RSS once parsed, so 24 MiB
+#: keeps the daemon near 24 x 11 + ~90 MiB idle, inside the 512 Mi of deploy/k8s.
+DEFAULT_MAX_INFLIGHT_BYTES = 24 * 1024 * 1024
 
 
 class Settings(BaseSettings):
@@ -96,6 +100,9 @@ class Settings(BaseSettings):
         s3_unreadable_after: seconds S3 may refuse a pointer (403, KMS; counted from its
             first refusal, kept in PostgreSQL) before its message is dead-lettered as
             ``payload_unreadable``.
+        max_inflight_bytes: the memory budget: raw bytes of message bodies and S3 payloads
+            held for messages in flight; when full, receiving waits. Must hold one
+            ``max_payload_bytes`` payload.
         s3_expected_owner: account id passed as ``ExpectedBucketOwner`` on every S3 call.
         s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
             committed and acked (default: keep it; expire it with a lifecycle rule).
@@ -139,6 +146,7 @@ class Settings(BaseSettings):
     s3_buckets: str = ""
     s3_expected_owner: str | None = None
     s3_unreadable_after: float = Field(3600.0, gt=0, allow_inf_nan=False)
+    max_inflight_bytes: int = Field(DEFAULT_MAX_INFLIGHT_BYTES, ge=1024, le=2**40)
     results_topic_arn: str | None = None
     results_queue_url: str | None = None
     results_endpoint_url: str | None = None
@@ -209,6 +217,15 @@ class Settings(BaseSettings):
     @classmethod
     def _s3_buckets(cls, v: str) -> str:
         AllowList.parse(v)  # ValueError names the entry
+        return v
+
+    @field_validator("max_inflight_bytes")
+    @classmethod
+    def _budget(cls, v: int, info: ValidationInfo) -> int:
+        payload = info.data.get("max_payload_bytes")
+        if payload is not None and v < payload:
+            raise ValueError(f"({v}) cannot hold one message of INGEST_MAX_PAYLOAD_BYTES "
+                             f"({payload}): raise it or lower INGEST_MAX_PAYLOAD_BYTES")
         return v
 
     @field_validator("s3_expected_owner")

@@ -15,6 +15,7 @@ import structlog
 
 from service import metrics
 from service.batch import EXIT_ACK_FAILED, BatchProcessor
+from service.budget import MemoryBudget
 from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, TransientError
 from service.handlers import Registry
@@ -54,8 +55,17 @@ class Worker:
         rng: Callable[[], float] = random.random,
         publisher: Publisher | None = None,
         payloads: S3Payloads | None = None,
+        max_message_bytes: int = 256 * 1024,
     ) -> None:
         self.s = settings
+        # INGEST_MAX_INFLIGHT_BYTES: bodies and S3 payloads of the messages in flight. A
+        # poll takes room for a full receive (ten of the queue's largest messages) before
+        # it asks, keeps what the messages it got hold, and gives the rest back.
+        self.budget = MemoryBudget(settings.max_inflight_bytes)
+        self.receive_reserve = min(10 * max_message_bytes, settings.max_inflight_bytes)
+        if payloads is not None:
+            payloads.budget = self.budget
+        metrics.inflight_bytes.set_function(lambda: self.budget.used)
         self.queue = queue
         self.store = store
         self.registry = registry
@@ -79,7 +89,7 @@ class Worker:
         self.batches = BatchProcessor(
             queue, store, registry, self.policy, self.health, fifo=settings.is_fifo,
             visibility_timeout=visibility_timeout, handler_timeout=settings.handler_timeout,
-            fatal=self._fatal, payloads=payloads, limit=self.limit,
+            fatal=self._fatal, payloads=payloads, limit=self.limit, budget=self.budget,
         )
         self.maintenance = Maintenance(
             settings, queue, store, self.health, self.batches.holding, self.started_at,
@@ -232,11 +242,16 @@ class Worker:
             if self.stopping:
                 self._slots.release()
                 break
+            poll = object()  # holds the receive's room in the memory budget
+            if not await self._room(poll):
+                self._slots.release()
+                break
             try:
                 batch = await self.queue.receive(
                     10, self.s.wait_time_seconds, self.visibility_timeout
                 )
             except TransientError as exc:
+                self.budget.give_all(poll)
                 self._slots.release()
                 self.maintenance.sqs_ok = False
                 metrics.sqs_errors.labels("receive").inc()
@@ -245,15 +260,40 @@ class Worker:
                 continue
             self.maintenance.sqs_ok = True
             backoff.reset()
-            if not await self._dispatch(batch):
+            # The batch keeps the bytes its bodies take; the rest of the room goes back.
+            owner = object()
+            self.budget.move(sum(len(m.body) for m in batch), poll, owner)
+            self.budget.give_all(poll)
+            if not await self._dispatch(batch, owner):
                 break
 
-    async def _dispatch(self, batch: list[Received]) -> bool:
-        """Start a batch task for what a poll brought (it owns the slot from then on).
-        False when the poller must end (stopping)."""
+    async def _room(self, poll: object) -> bool:
+        """Wait for room for one receive in the memory budget (back-pressure); False when
+        the worker stops meanwhile."""
+        if self.budget.try_take(self.receive_reserve, poll):
+            return True
+        metrics.budget_waits.inc()
+        take = asyncio.ensure_future(self.budget.take(self.receive_reserve, poll))
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([take, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if take.done() and not self.stopping:
+            return True
+        take.cancel()
+        await asyncio.gather(take, return_exceptions=True)
+        self.budget.give_all(poll)
+        return False
+
+    async def _dispatch(self, batch: list[Received], owner: object | None = None) -> bool:
+        """Start a batch task for what a poll brought (it owns the slot, and ``owner``'s
+        bytes in the memory budget, from then on). False when the poller must end."""
         if not batch:
             self._slots.release()
             return True
+        if owner is not None and (not self.health.is_up or self.stopping):
+            self.budget.give_all(owner)  # handed straight back below: nothing held
         metrics.messages_received.inc(len(batch))
         self.maintenance.note_sent(batch)
         if not self.health.is_up and not self.stopping:
@@ -268,7 +308,8 @@ class Worker:
             await self.batches.executor.hand_back([(m, 0) for m in batch])
             log.info("released_after_stop", count=len(batch))
             return False
-        task = asyncio.create_task(self.batches.run(batch), name=f"batch-{batch[0].message_id}")
+        task = asyncio.create_task(self.batches.run(batch, owner),
+                                   name=f"batch-{batch[0].message_id}")
         self._batches.add(task)
         task.add_done_callback(self._batch_done)
         return True

@@ -1,0 +1,117 @@
+"""The memory budget (INGEST_MAX_INFLIGHT_BYTES): the pure MemoryBudget, and the worker over
+the fakes — receiving waits while it is full, a batch whose payloads exceed it completes in
+rounds without holding more than the budget, and a budget that cannot hold one payload is
+bad configuration."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service import metrics
+from service.budget import MemoryBudget
+from service.payloads import S3Payloads
+from service.settings import ConfigError, load_settings
+from service.testing import FakeQueue, FakeStore
+from service.worker import Worker
+from tests.unit.test_payloads import FakeS3, doc, note_registry, pointer_body
+from tests.unit.test_worker import settings, until
+
+
+async def test_take_waits_for_room_first_come_first_served() -> None:
+    b = MemoryBudget(100)
+    a, c, d = object(), object(), object()
+    assert b.try_take(60, a)
+    first = asyncio.ensure_future(b.take(50, c))
+    await asyncio.sleep(0)
+    assert not first.done() and not b.try_take(10, d)  # a waiter goes first
+    b.give(30, a)
+    await asyncio.wait_for(first, 1)
+    assert (b.used, b.holds(a), b.holds(c)) == (80, 30, 50)
+
+
+async def test_when_every_holder_waits_the_first_waiter_is_let_in() -> None:
+    """Two batches holding bodies, each waiting for a payload that does not fit: nobody
+    would ever give bytes back, so the first is let in (over the limit) instead of a
+    deadlock."""
+    b = MemoryBudget(100)
+    a, c = object(), object()
+    assert b.try_take(45, a) and b.try_take(45, c)
+    wa = asyncio.ensure_future(b.take(40, a))
+    wc = asyncio.ensure_future(b.take(40, c))
+    await asyncio.wait_for(wa, 1)
+    assert not wc.done()
+    b.give_all(a)
+    await asyncio.wait_for(wc, 1)
+    assert b.used == 85
+
+
+async def test_a_cancelled_waiter_takes_nothing() -> None:
+    b = MemoryBudget(100)
+    a, c = object(), object()
+    assert b.try_take(100, a)
+    w = asyncio.ensure_future(b.take(10, c))
+    await asyncio.sleep(0)
+    w.cancel()
+    await asyncio.gather(w, return_exceptions=True)
+    b.give_all(a)
+    assert b.used == 0 and b.holds(c) == 0
+
+
+def test_a_budget_that_cannot_hold_one_payload_is_bad_config() -> None:
+    base = {"queue_url": "http://127.0.0.1:1/q", "database_url": "postgresql://u@h/d"}
+    assert load_settings(**base).max_inflight_bytes >= load_settings(**base).max_payload_bytes
+    with pytest.raises(ConfigError, match=r"INGEST_MAX_INFLIGHT_BYTES .*INGEST_MAX_PAYLOAD"):
+        load_settings(**base, max_payload_bytes=2_000_000, max_inflight_bytes=1_000_000)
+    load_settings(**base, max_payload_bytes=1_000_000, max_inflight_bytes=1_000_000)
+
+
+def rig(limit: int, payload_max: int = 4096) -> tuple[Worker, FakeQueue, FakeStore, FakeS3]:
+    queue, store, s3 = FakeQueue(), FakeStore(), FakeS3()
+    w = Worker(settings(pollers=1, max_payload_bytes=payload_max, max_inflight_bytes=limit),
+               queue, store, note_registry(), visibility_timeout=30, rng=lambda: 0.0,
+               payloads=S3Payloads(s3, payload_max, allowed="payloads"))
+    return w, queue, store, s3
+
+
+async def test_payloads_beyond_the_budget_are_applied_in_rounds_within_it() -> None:
+    """Ten pointers of ~3,000 bytes, a budget of 12,000: never more than the budget held
+    (peak), every payload applied, and the batch went through several rounds."""
+    w, queue, store, s3 = rig(12_000)
+    pad = "x" * 2_900
+    for i in range(10):
+        s3.put(f"k{i}", doc(f"r{i}")[:-2] + f', "pad": "{pad}"}}}}'.encode())
+    for i in range(10):
+        queue.send(pointer_body(f"k{i}"))
+    task = asyncio.create_task(w.run())
+    try:
+        await until(lambda: not queue.messages, "drained")
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(task, 20) == 0
+    assert {r: store.rows[r].status for r in store.rows} == {
+        f"r{i}": "COMPLETED" for i in range(10)}
+    assert w.budget.peak <= 12_000 and w.budget.used == 0
+    assert len([c for c in s3.calls if c[0] == "get"]) > 10  # re-opened in later rounds
+
+
+async def test_receiving_waits_while_the_budget_is_full() -> None:
+    w, queue, store, _ = rig(8_192)
+    other = object()
+    assert w.budget.try_take(8_192, other)  # everything held by batches in flight
+    waits = metrics.budget_waits._value.get()
+    task = asyncio.create_task(w.run())
+    try:
+        queue.send(doc("r1").decode())
+        await until(lambda: metrics.budget_waits._value.get() > waits, "the poller waits")
+        assert "r1" not in store.rows and all(
+            m.receive_count == 0 for m in queue.messages.values())  # not even received
+        w.budget.give_all(other)
+        await until(lambda: "r1" in store.rows and store.rows["r1"].status == "COMPLETED",
+                    "received once there is room")
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(task, 20) == 0
+
+
