@@ -15,6 +15,7 @@ from aiobotocore.session import get_session
 from service import diagnose, metrics
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
+from service.identity import ecs_worker_name
 from service.migrate import check_schema
 from service.payloads import S3Payloads, s3_client
 from service.pgerrors import CONNECTION_ERRORS
@@ -157,7 +158,15 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
             # A zero timeout hides nothing and would make the heartbeat spin.
             log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
             vt = 30
-        await _retry("database", lambda: store.register_worker(settings.effective_worker_name),
+        if not settings.worker_name:
+            # On ECS: the task and container (unique, kept by an in-place restart), so a
+            # restart releases its previous incarnation's claims at once (service.identity).
+            ecs_name = await asyncio.to_thread(ecs_worker_name)
+            if ecs_name:
+                settings = settings.model_copy(update={"worker_name": ecs_name})
+                log.info("worker_name_from_ecs_metadata", worker_name=ecs_name)
+        named = settings
+        await _retry("database", lambda: store.register_worker(named.effective_worker_name),
                      state.stop)
         async with contextlib.AsyncExitStack() as stack:
             publisher = None

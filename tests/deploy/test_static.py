@@ -433,6 +433,12 @@ def test_ecs_task_definition_semantics(path: Path) -> None:
         assert budget + LONG_POLL_SECONDS < d["stopTimeout"] <= 120
         assert "/healthz" in " ".join(d["healthCheck"]["command"])
         assert d["portMappings"][0]["containerPort"] == 9102
+        # Restarted in place (same task: the same worker name from the task metadata, so
+        # its claims are released at start, not a lease later); not after a clean stop (0)
+        # or bad configuration (2), which a restart cannot mend.
+        policy = d["restartPolicy"]
+        assert policy["enabled"] is True and {0, 2} <= set(policy["ignoredExitCodes"])
+        assert "INGEST_WORKER_NAME" not in env  # the task metadata names each task's replica
     for c in td["containerDefinitions"]:
         if c["command"][0] == "reconcile" and daemons:
             # A sidecar beside the daemon: its failure must not stop ingestion.
