@@ -105,6 +105,21 @@ def keyed_poison(w: Workload) -> set[str]:
     return out
 
 
+def requests_in(bodies: list[str], w: Workload) -> set[str]:
+    """The workload's valid request_ids among these bodies (SNS envelopes unwrapped)."""
+    out = set()
+    for b in bodies:
+        try:
+            doc = json.loads(b)
+            if doc.get("Type") == "Notification":
+                doc = json.loads(doc["Message"])
+        except (ValueError, AttributeError):
+            continue
+        if doc.get("request_id") in w.valid:
+            out.add(doc["request_id"])
+    return out
+
+
 async def wait_published(dsn: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while (n := await pending(dsn)) > 0:
@@ -123,13 +138,22 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
     dest = results_queue(sqs_client, fifo=True)
     d = spawn(daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_QUEUE_URL=dest,
                          INGEST_MAX_RECEIVE_COUNT="2"))
-    send_all(sqs_client, source, bodies[:150])
+    sent = bodies[:150]
+    send_all(sqs_client, source, sent)
     d.wait_ready()
+    kills: list[tuple[int, int, int]] = []  # (completed when the target was set, target, cap)
     for i in range(6):
         if i == 3:
+            sent = bodies
             send_all(sqs_client, source, bodies[150:])
-        # Kill while work is going on: after a random amount of progress, not a sleep.
-        target = min(completed_now(database_url) + rng.randrange(5, 30), len(w.valid) - 5)
+        # Kill while work is going on: after a random amount of progress, not a sleep. Capped
+        # below the requests *sent so far* (it was all 300): on a loaded machine the daemon
+        # can finish the first 150 bodies between two polls of this loop, and a target past
+        # them was never reached — 120 s, then "progress before kill" failed the test.
+        cap = len(requests_in(sent, w)) - 5
+        done = completed_now(database_url)
+        target = min(done + rng.randrange(5, 30), cap)
+        kills.append((done, target, cap))
         wait_until(lambda t=target: completed_now(database_url) >= t, 120,
                    "progress before kill")
         d.kill9()
@@ -158,8 +182,8 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
     some = sorted(w.valid)[0]
     assert by_id[(some, "COMPLETED")]["reason"] is None
     assert by_id[(some, "COMPLETED")]["type"] == w.valid[some][0]
-    print(f"kills=6 results={len(docs)} completed={len(w.valid)} "
-          f"failed={len(keyed_poison(w))}")
+    print(f"kills=6 (completed, target, cap)={kills} results={len(docs)} "
+          f"completed={len(w.valid)} failed={len(keyed_poison(w))}")
 
 
 class Refusing(FaultProxy):
