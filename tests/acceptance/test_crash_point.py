@@ -93,6 +93,8 @@ async def test_the_ledger_check_sees_a_handler_that_applies_twice(
     wait_drained(sqs_client, queue_url, [d])
     assert d.stop() == 0, d.logs()
     rows = await ledger_rows(database_url)
-    assert len(rows) == 2 * len(w.ledger_entries())  # the twin really applied twice
+    # The twin really applied more than once: at least twice per request (how many more
+    # depends on how receives cut the batches, and so on the machine's load).
+    assert len(rows) >= 2 * len(w.ledger_entries())
     with pytest.raises(AssertionError, match="effects applied more than once"):
         check_ledger(rows, w.ledger_entries())
