@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The PostgreSQL launcher is the handler author's kit's (service.kit): one implementation.
+from service.kit import (  # noqa: F401  (re-exported to the suites)
+    Postgres,
+    _pg_bin,
+    _run_as_postgres,
+    free_port,
+    postgres_server,
+)
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
@@ -40,73 +41,6 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  #
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def _pg_bin(name: str) -> str:
-    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        if (d / name).exists():
-            return str(d / name)
-    found = shutil.which(name)
-    if not found:
-        raise RuntimeError(f"PostgreSQL binary {name} not found (apt-get install postgresql)")
-    return found
-
-
-@dataclass
-class Postgres:
-    port: int
-    datadir: str
-    sockdir: str
-    user: str = "postgres"
-
-    def dsn(self, db: str = "postgres") -> str:
-        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{db}"
-
-    def stop(self, mode: str = "fast") -> None:
-        self._ctl("stop", "-m", mode)
-
-    def start(self) -> None:
-        self._ctl(
-            "start",
-            "-l",
-            os.path.join(self.datadir, "server.log"),
-            "-o",
-            # fsync=off survives a killed server (the OS keeps the WAL); synchronous_commit=off
-            # would not: the chaos tests stop PostgreSQL with -m immediate.
-            f"-p {self.port} -k {self.sockdir} -c listen_addresses=127.0.0.1 -c fsync=off "
-            "-c full_page_writes=off -c max_connections=300",
-        )
-
-    def _ctl(self, *args: str) -> None:
-        cmd = [_pg_bin("pg_ctl"), "-w", "-D", self.datadir, *args]
-        _run_as_postgres(cmd)
-
-
-def _run_as_postgres(cmd: list[str]) -> None:
-    if os.geteuid() == 0:
-        cmd = ["runuser", "-u", "postgres", "--", *cmd]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-@contextlib.contextmanager
-def postgres_server() -> Iterator[Postgres]:
-    base = tempfile.mkdtemp(prefix="ingest-pg-")
-    datadir, sockdir = os.path.join(base, "data"), os.path.join(base, "sock")
-    os.makedirs(sockdir)
-    if os.geteuid() == 0:
-        pw = pwd.getpwnam("postgres")
-        for p in (base, sockdir):
-            os.chown(p, pw.pw_uid, pw.pw_gid)
-    user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
-    _run_as_postgres([_pg_bin("initdb"), "-A", "trust", "-U", user, "-D", datadir])
-    pg = Postgres(port=free_port(), datadir=datadir, sockdir=sockdir, user=user)
-    pg.start()
-    try:
-        yield pg
-    finally:
-        with contextlib.suppress(Exception):
-            pg.stop("immediate")
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:

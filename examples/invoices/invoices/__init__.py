@@ -1,0 +1,1 @@
+"""An example handler package for sqs-ingest: invoices (README "Testing your handlers")."""
