@@ -68,16 +68,17 @@ def _size(row: OutboxRow, body: str) -> int:
     return len(body.encode()) + len("request_id") + len("String") + len(row.request_id.encode())
 
 
-def bodies_of(rows: Sequence[OutboxRow]) -> list[str]:
-    """Each row's body; one over ``MAX_BYTES`` on its own is replaced by its form without
-    ``result`` (logged: the destination would refuse it forever)."""
+def bodies_of(rows: Sequence[OutboxRow], max_bytes: int = MAX_BYTES) -> list[str]:
+    """Each row's body; one over ``max_bytes`` (the destination's largest message) on its
+    own is replaced by its form without ``result`` (logged: the destination would refuse
+    it forever)."""
     out = []
     for r in rows:
         body = result_body(r)
         # UTF-8 takes at most 4 bytes a character: most bodies need no encoding to know.
-        if 4 * (len(body) + len(r.request_id)) + 16 > MAX_BYTES and _size(r, body) > MAX_BYTES:
+        if 4 * (len(body) + len(r.request_id)) + 16 > max_bytes and _size(r, body) > max_bytes:
             log.warning("result_too_large", request_id=r.request_id, bytes=_size(r, body),
-                        limit=MAX_BYTES, hint="published without its result; read it from "
+                        limit=max_bytes, hint="published without its result; read it from "
                         "modifications.result")
             body = result_body(r, omit_result=True)
         out.append(body)
@@ -114,7 +115,8 @@ class Publisher:
         return tasks
 
     async def _send(self, rows: list[OutboxRow]) -> set[int]:
-        pairs = list(zip(rows, bodies_of(rows), strict=True))
+        pairs = list(zip(rows, bodies_of(rows, self.sink.max_message_bytes),
+                         strict=True))
         chunks = [([r for r, _ in call], [b for _, b in call])
                   for call in batched_by_size(pairs, lambda p: _size(*p))]
         outcomes: list[set[int] | BaseException] = []

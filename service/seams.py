@@ -105,6 +105,7 @@ class ResultsSink(Protocol):
     returns the ids of those accepted."""
 
     fifo: bool
+    max_message_bytes: int  # the largest message the destination accepts
 
     async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
         """Send ``rows`` (at most ten, within the call's byte limit) in one call; the ids

@@ -63,6 +63,10 @@ def _accepted(rows: Sequence[OutboxRow], resp: dict[str, Any], what: str) -> set
     return {rows[i].id for i in ok}
 
 
+#: SNS publishes at most 256 KiB a message.
+SNS_MAX_MESSAGE_BYTES = 256 * 1024
+
+
 class SnsSink:
     """An SNS topic (PublishBatch); FIFO when its ARN ends in ``.fifo``."""
 
@@ -70,6 +74,7 @@ class SnsSink:
         self._client = client
         self.topic_arn = topic_arn
         self.fifo = topic_arn.endswith(".fifo")
+        self.max_message_bytes = SNS_MAX_MESSAGE_BYTES
 
     async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
         entries = [{**entry(i, r, self.fifo), "Message": b}
@@ -85,10 +90,23 @@ class SnsSink:
 class SqsSink:
     """An SQS queue (SendMessageBatch); FIFO when its URL ends in ``.fifo``."""
 
-    def __init__(self, client: Any, queue_url: str) -> None:
+    def __init__(self, client: Any, queue_url: str, max_message_bytes: int = 256 * 1024) -> None:
         self._client = client
         self.queue_url = queue_url
         self.fifo = queue_url.rstrip("/").endswith(".fifo")
+        # The queue's MaximumMessageSize (up to 1 MiB): a result up to it leaves whole.
+        self.max_message_bytes = max_message_bytes
+
+    async def read_max_message_bytes(self) -> None:
+        """Take the queue's own MaximumMessageSize (one GetQueueAttributes at start; on
+        failure the 256 KiB every queue accepts stays)."""
+        try:
+            resp = await self._client.get_queue_attributes(
+                QueueUrl=self.queue_url, AttributeNames=["MaximumMessageSize"])
+            self.max_message_bytes = int(resp["Attributes"]["MaximumMessageSize"])
+        except (ClientError, BotoCoreError, KeyError, ValueError) as exc:
+            log.warning("results_queue_size_unknown", error=str(exc),
+                        using=self.max_message_bytes)
 
     async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
         entries = [{**entry(i, r, self.fifo), "MessageBody": b}
@@ -118,4 +136,6 @@ async def results_sink(settings: Settings) -> AsyncIterator[ResultsSink]:
             yield SnsSink(client, settings.results_topic_arn)
         else:
             assert settings.results_queue_url is not None
-            yield SqsSink(client, settings.results_queue_url)
+            sink = SqsSink(client, settings.results_queue_url)
+            await sink.read_max_message_bytes()
+            yield sink

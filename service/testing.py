@@ -458,8 +458,9 @@ class FakeSink:
     """An in-memory results destination (``service.seams.ResultsSink``): records what
     it accepted; ``refuse`` makes every call fail, ``refuse_ids`` single entries."""
 
-    def __init__(self, fifo: bool = False) -> None:
+    def __init__(self, fifo: bool = False, max_message_bytes: int = 256 * 1024) -> None:
         self.fifo = fifo
+        self.max_message_bytes = max_message_bytes
         self.sent: list[OutboxRow] = []
         self.refuse = False
         self.refuse_ids: set[int] = set()

@@ -192,3 +192,17 @@ def test_a_result_over_the_message_limit_is_published_without_it() -> None:
     assert doc["request_id"] == "r-0" and doc["status"] == "COMPLETED"
     assert json.loads(bodies[1])["result"] == {"blob": "x" * 100}
     assert "result_omitted" not in json.loads(bodies[1])
+
+
+async def test_a_destination_that_takes_1_mib_gets_a_600_kb_result_whole_in_its_own_call(
+) -> None:
+    """An SQS results queue whose MaximumMessageSize is 1 MiB (sink.max_message_bytes): a
+    600 KB result leaves whole, alone in its call; the neighbours go in another."""
+    sink = FakeSinkCalls()
+    sink.max_message_bytes = 1024 * 1024
+    await Publisher(FakeStore(results=True), sink)._send([big(0, 100), big(1, 600_000),
+                                                          big(2, 100)])
+    docs = [[json.loads(b) for b in c] for c in sink.call_bodies]
+    assert [[d["request_id"] for d in c] for c in docs] == [["r-0"], ["r-1"], ["r-2"]]
+    assert docs[1][0]["result"] == {"blob": "x" * 600_000}
+    assert "result_omitted" not in docs[1][0]
