@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install install-run services stop run test test-fast test-reconcile lint bench bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
+.PHONY: install install-run services stop run test test-fast test-reconcile lint bench bench-memory bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
 
 install:
 	scripts/install.sh
@@ -45,6 +45,15 @@ test-fast: install
 ## side by side; BASELINE adds old-vs-new drains, RESULTS=1 results-out on-vs-off drains (ABBA)
 bench: install
 	$(PY) bench/throughput.py
+
+## make bench-memory [POINTERS=40] [PAYLOAD_BYTES=6291456] [INLINE=200] [SHAPE=blob|records]:
+## issue 20's memory phase — the daemon with its defaults drains pointers to large S3 payloads
+## plus inline messages: peak RSS against deploy/k8s's limit, every entity as sent, exit 0 on
+## SIGTERM, drain time against the same backlog of small payloads; and bench/payload_memory.py
+## (raw bytes -> RSS per JSON shape). Exits 1 over the limit.
+bench-memory: install
+	$(PY) bench/payload_memory.py
+	$(PY) bench/memory_budget.py
 
 ## make fuzz [FUZZ_EXAMPLES=2000] [FUZZ_SEED=16]: the hostile-body fuzzer with a larger budget
 fuzz: install
