@@ -245,17 +245,15 @@ async def test_sigterm_releases_what_idle_polls_bring(
     assert counts["completed"] == len(w.valid)
 
 
-@pytest.mark.investigation  # not in make test: whether it fails depends on moto's timing
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "per-group order breaks after kill -9 on the moto emulator (reported in #15): moto's "
-    "FIFO emulation — the same test passes on LocalStack, whose FIFO queues hold a group "
-    "while a message of it is in flight (tests/acceptance/test_fifo_localstack.py, in make "
-    "test)"))
 async def test_fifo_kill_9_keeps_group_order_and_applies_once(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, tmp_path: Path
 ) -> None:
     """A FIFO queue of ledger appends in 6 groups, some sent twice, the daemon killed -9
-    mid-stream four times: every effect lands once and, within each group, in send order."""
+    mid-stream four times: every effect lands once and, within each group, in send order.
+    On moto: a strict xfail until issue 25 (2 of 2 runs reordered: moto's redelivery order,
+    and the daemon leaning on the broker's group lock); since the daemon holds a group behind
+    its unfinished messages itself and tests/moto_fifo.py fixes moto's in-poll expiry, it
+    passed 3 of 3 runs and is part of make test."""
     seed = chaos_seed(17)
     queue_url = make_queue(visibility=5, fifo=True)
     w = Workload(seed=seed)
