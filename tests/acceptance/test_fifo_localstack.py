@@ -1,7 +1,8 @@
-"""FIFO group order across kill -9, on LocalStack's SQS (whose FIFO queues hold a group
-while a message of it is in flight, as SQS does) — the question moto's emulator left open
-(README "Known issues"): the reordering seen there is the emulator's; here the order holds,
-and the test turns red when the daemon applies a batch out of order."""
+"""FIFO group order across kill -9, on LocalStack's SQS. LocalStack holds a group while a
+message of it is in flight, as SQS does — until a later message of the group is made
+visible, then it hands that one out (the probe below pins this). The daemon keeps the
+order itself (SPEC §6 "FIFO order"); these tests turn red when it applies a group out of
+order."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ async def test_fifo_order_holds_when_messages_arrive_during_kill_9_restarts(
     LocalStack — whose FIFO queues hand out a group's later messages once they are made
     visible while an earlier one is still in flight. A message claimed by a killed
     incarnation stays IN_PROGRESS until the orphan GC; its group's later messages must wait
-    for it (the daemon's own rule, not the broker's). Red before: seed 25 reordered groups."""
+    for it (the daemon's own rule, not the broker's). Red before issue 25's fix: seed 25 applied
+    later messages first in 20 of the 40 groups."""
     sqs: Any = boto3.client("sqs", endpoint_url=localstack, region_name="us-east-1")
     queue_url = sqs.create_queue(
         QueueName=f"fifo-{uuid.uuid4().hex[:10]}.fifo",
