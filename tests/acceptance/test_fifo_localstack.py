@@ -110,6 +110,20 @@ def test_localstack_releases_a_fifo_group_whose_followers_are_made_visible(
                                 WaitTimeSeconds=1)["Messages"]
     # Real SQS: nothing (m0 in flight holds the group). LocalStack 4.13.1: m1, m2.
     assert [m["Body"] for m in again] == ["m1", "m2"]
+    # What the daemon does now (followers wait as long as their head): only the head's
+    # visibility changes, and LocalStack keeps the group, as SQS does.
+    url = sqs.create_queue(
+        QueueName=f"probe-{uuid.uuid4().hex[:10]}.fifo",
+        Attributes={"FifoQueue": "true", "ContentBasedDeduplication": "true",
+                    "VisibilityTimeout": "30"})["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="m0", MessageGroupId="g")
+    [head] = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
+                                 WaitTimeSeconds=1)["Messages"]
+    sqs.send_message(QueueUrl=url, MessageBody="m1", MessageGroupId="g")
+    sqs.change_message_visibility(QueueUrl=url, ReceiptHandle=head["ReceiptHandle"],
+                                  VisibilityTimeout=20)
+    assert sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
+                               WaitTimeSeconds=1).get("Messages", []) == []
 
 
 def out_of_order(rows: list[Any]) -> dict[str, list[int]]:
