@@ -138,7 +138,10 @@ class QueueSeam(Protocol):
 
     async def receive(
         self, max_messages: int, wait_seconds: int, visibility_timeout: int | None
-    ) -> list[Received]: ...
+    ) -> list[Received]:
+        """Long-poll up to ``max_messages`` for up to ``wait_seconds``; each message received
+        is hidden for ``visibility_timeout`` (None: the queue's own). Raises
+        ``TransientError`` when the call fails."""
 
     async def delete_batch(self, messages: Sequence[Received]) -> None:
         """Delete, or raise AckFailed naming every message whose delete failed."""
@@ -152,7 +155,9 @@ class QueueSeam(Protocol):
         """Replace messages by fresh copies visible after their delays (service.redrive);
         returns the message ids not replaced."""
 
-    async def attributes(self) -> dict[str, str]: ...
+    async def attributes(self) -> dict[str, str]:
+        """Every queue attribute (GetQueueAttributes ``All``): depth, RedrivePolicy,
+        MessageRetentionPeriod, VisibilityTimeout. Raises ``TransientError`` on failure."""
 
 
 class StoreSeam(Protocol):
@@ -160,22 +165,40 @@ class StoreSeam(Protocol):
 
     worker_id: str
 
-    async def register_worker(self, name: str) -> None: ...
-    async def heartbeat(self) -> bool: ...
-    async def stop_worker(self) -> int: ...
-    async def ping(self) -> None: ...
+    async def register_worker(self, name: str) -> None:
+        """Record this worker (``worker_id``, its ``name``) as alive from now."""
+
+    async def heartbeat(self) -> bool:
+        """Refresh this worker's heartbeat; False when it was marked stopped (its claims
+        may be collected)."""
+
+    async def stop_worker(self) -> int:
+        """Release every claim this worker still holds and mark it stopped; returns how
+        many claims were released."""
+
+    async def ping(self) -> None:
+        """Return when the database answers; raise ``DatabaseUnavailable`` when not."""
 
     async def check_schema(self) -> None:
-        """Raise ``service.migrate.SchemaBehind`` when a migration is missing."""
+        """Raise ``service.errors.SchemaBehind`` when a migration is missing."""
 
     async def gc(
         self, lease_seconds: float, name: str | None = None,
         started_before: datetime | None = None,
-    ) -> Sequence[GcRow]: ...
+    ) -> Sequence[GcRow]:
+        """Release the IN_PROGRESS claims of dead workers — heartbeat older than
+        ``lease_seconds``, stopped, or (with ``name`` and ``started_before``) this worker's
+        own previous incarnation — and return them. Never a live worker's claim."""
 
-    async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]: ...
+    async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
+        """Release this worker's claims that no batch holds any more (not in ``holding``)
+        and are older than a margin (30 s: a claim made after the caller read ``holding``
+        is safe); returns their request_ids."""
 
-    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]: ...
+    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+        """Claim a batch in one statement (INSERT … ON CONFLICT DO NOTHING): request_id →
+        what the claim found (claimed by us, or the existing row; FIFO: held behind an
+        earlier unfinished message of its group)."""
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         """The requests claimed with these payload pointers (``s3://bucket/key``)."""
@@ -187,14 +210,24 @@ class StoreSeam(Protocol):
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
         batch: Batching | None = None,
-    ) -> ApplyResult: ...
+    ) -> ApplyResult:
+        """Run the handlers (``call``; ``batch``: the batch form) and mark the messages
+        COMPLETED in one transaction fenced on the owner (``service.completion``): what
+        completed, failed, was lost to GC, or was blocked behind a FIFO failure."""
 
-    async def dead_letter(self, letters: Sequence[DeadLetter]) -> None: ...
-    async def release(self, messages: Sequence[Message]) -> None: ...
+    async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
+        """Store ``letters`` in dead_letters (a message stored once, whatever its
+        redeliveries); with results on, their FAILED results in the same statement."""
+
+    async def release(self, messages: Sequence[Message]) -> None:
+        """Give back this worker's claims made for exactly these SQS messages."""
 
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int
-    ) -> dict[str, int]: ...
+    ) -> dict[str, int]:
+        """Release the failed messages' claims and count each failure; those that reach
+        ``max_failures`` are dead-lettered in the same transaction. Returns request_id →
+        failures so far."""
 
 
 class OutboxSeam(Protocol):

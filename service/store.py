@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 import orjson
 
-from service.errors import DatabaseUnavailable
+from service import completion
 from service.limits import storable
 from service.messages import Message
 from service.migrate import check_schema
@@ -43,11 +41,6 @@ __all__ = [
 ]
 
 Q = queries()
-
-#: Conflicts (deadlock, serialization, lock not available) rerun as is this many times;
-#: after that, one by one, and a conflict is the failure of the message that hit it.
-MAX_RERUNS = 3
-
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -213,42 +206,16 @@ class Store:
         fifo: bool = False,
         batch: Batching | None = None,
     ) -> ApplyResult:
-        """Run handlers and mark COMPLETED in one transaction, fenced on ``owner``.
-
-        With ``batch``, messages whose handlers have a batch form run as one call (one
-        statement instead of one per message); if such a call raises, the transaction is
-        rerun one message at a time to find the culprit. FIFO queues never batch (order).
-
-        A handler that raises is taken out and the transaction is run again without it
-        (and, on a FIFO queue, without the later messages of its group), so one bad
-        message never rolls back its neighbours' effects for good. A deadlock or
-        serialization failure reruns the transaction as is (it is nobody's fault); a
-        broken connection raises DatabaseUnavailable.
-        """
-        result = ApplyResult()
-        todo = list(messages)
-        reruns = 0
-        singly = fifo or batch is None
+        """Run handlers and mark COMPLETED in one transaction, fenced on ``owner``: the
+        attempt loop of ``service.completion`` over this connection (a broken connection
+        raises DatabaseUnavailable)."""
         async with connection(self.pool) as conn:
-            while True:
-                attempt = _Attempt(conn, self.worker_id, call, None if singly else batch,
-                                   fifo, may_rerun=reruns < MAX_RERUNS, results=self.results)
-                step = await attempt.run(todo)
-                if isinstance(step, _Committed):
-                    step.into(result)
-                    if self.results and step.live:
-                        self.outbox_written.set()
-                    return result
-                if isinstance(step, _Failed):
-                    result.failed.append((step.message, step.error))
-                    result.blocked.extend(_drop_with_followers(todo, step.message, fifo))
-                elif isinstance(step, _Rerun):
-                    reruns += 1
-                    # From now on one by one: a conflict in a handler is that message's
-                    # failure, so the loop always ends.
-                    singly = singly or reruns >= MAX_RERUNS
-                else:
-                    singly = True  # a batch call failed: find the failing message
+            result = await completion.complete(
+                _PgTransactions(conn, self.worker_id, self.results), messages, call, fifo,
+                batch)
+        if self.results and result.completed:
+            self.outbox_written.set()
+        return result
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         if not letters:
@@ -364,189 +331,63 @@ def _sequence(m: Message) -> str | None:
     return str(m.raw.sequence_number)
 
 
-# -- one attempt of the completing transaction -------------------------------------------
+# -- the completing transaction's seam (service.completion) over one connection ----------
 
 
-@dataclass(slots=True)
-class _Committed:
-    live: list[Message]
-    outputs: list[str | None]
-    lost: list[Message]
-    blocked: list[Message]
+class _PgTransactions:
+    """``completion.Transactions`` on one pooled connection: each attempt is one
+    transaction; asyncpg's errors read as outage / conflict here, nowhere else."""
 
-    def into(self, result: ApplyResult) -> None:
-        result.completed.extend(
-            (m, orjson.loads(o) if o is not None else None)
-            for m, o in zip(self.live, self.outputs, strict=True)
-        )
-        result.lost.extend(self.lost)
-        result.blocked.extend(self.blocked)
-        result.committed_at = time.time()
+    __slots__ = ("conn", "owner", "results")
 
-
-@dataclass(slots=True)
-class _Failed:
-    message: Message
-    error: BaseException
-
-
-class _Rerun:
-    """Roll back and run the same transaction again (deadlock, serialization)."""
-
-
-class _OneByOne:
-    """A batch call failed: roll back and rerun one message at a time."""
-
-
-_Step = _Committed | _Failed | _Rerun | _OneByOne
-
-
-class _Abort(Exception):
-    """Leaves the transaction block (rolling it back) carrying what happens next."""
-
-    def __init__(self, step: _Step) -> None:
-        self.step = step
-
-
-class _Attempt:
-    """One run of the completing transaction over ``todo``; says what happened."""
-
-    def __init__(
-        self, conn: Any, owner: str, call: HandlerCall, batch: Batching | None,
-        fifo: bool, may_rerun: bool, results: bool = False,
-    ) -> None:
+    def __init__(self, conn: Any, owner: str, results: bool) -> None:
         self.conn = conn
-        self.results = results
         self.owner = owner
-        self.call = call
-        self.batch = batch
-        self.fifo = fifo
-        self.may_rerun = may_rerun
+        self.results = results
 
-    async def run(self, todo: list[Message]) -> _Step:
-        try:
-            async with self.conn.transaction():
-                return await self._complete(todo)
-        except _Abort as abort:
-            return abort.step
+    def attempt(self) -> _PgAttempt:
+        return _PgAttempt(self)
 
-    async def _complete(self, todo: list[Message]) -> _Committed:
-        held = {r["request_id"] for r in await self.conn.fetch(
-            Q["fence"], [m.request_id for m in todo], self.owner)}
-        live, lost, blocked = _split_fenced(todo, held, self.fifo)
-        results = await self._handlers(live)
-        outputs = [results[id(m)] for m in live]
-        if live:
-            ids = [m.request_id for m in live]
-            done = await (
-                self.conn.fetch(Q["complete_with_result"], ids, outputs, self.owner,
-                                [m.raw.group_id for m in live])
-                if self.results else self.conn.fetch(Q["complete"], ids, outputs, self.owner))
-            if len(done) != len(live):
-                # Cannot happen while the fence locks hold; be loud if it does.
-                raise RuntimeError("fenced completion lost rows under lock")
-            retried = [m.request_id for m in live if m.failures > 0]
-            if retried:
-                await self.conn.execute(Q["clear_attempts"], retried)
-        return _Committed(live, outputs, lost, blocked)
-
-    async def _handlers(self, live: list[Message]) -> dict[int, str | None]:
-        results: dict[int, str | None] = {}
-        one_by_one = live
-        if self.batch is not None:
-            one_by_one = await self._batched(live, self.batch, results)
-        for m in one_by_one:
-            try:
-                results[id(m)] = _encode_result(await self.call(m, self.conn))
-            except Exception as exc:
-                self._raise_if_outage(exc, "a handler")
-                if isinstance(exc, RETRY_TRANSACTION) and self.may_rerun:
-                    raise _Abort(_Rerun()) from exc
-                # Also a conflict that keeps coming back in this one message's handler
-                # (its own NOWAIT/lock_timeout): blame it.
-                raise _Abort(_Failed(m, exc)) from exc
-        return results
-
-    async def _batched(
-        self, live: list[Message], batch: Batching, results: dict[int, str | None]
-    ) -> list[Message]:
-        """Run the batchable groups; return the messages still to run one by one."""
-        key_of, call_many = batch
-        groups: dict[object, list[Message]] = {}
-        rest: list[Message] = []
-        for m in live:
-            key = key_of(m)
-            (rest if key is None else groups.setdefault(key, [])).append(m)
-        for group in groups.values():
-            if len(group) == 1:
-                rest.extend(group)
-                continue
-            try:
-                outs = await call_many(group, self.conn)
-                if outs is None:
-                    rest.extend(group)
-                    continue
-                for m, out in zip(group, outs, strict=True):
-                    results[id(m)] = _encode_result(out)
-            except Exception as exc:
-                self._raise_if_outage(exc, "a batch handler")
-                raise _Abort(_Rerun() if isinstance(exc, RETRY_TRANSACTION)
-                             else _OneByOne()) from exc
-        return rest
-
-    def _raise_if_outage(self, exc: BaseException, where: str) -> None:
-        """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
-        failure; only a connection that is actually gone is a database outage."""
-        broken = isinstance(
+    def is_outage(self, exc: BaseException) -> bool:
+        return isinstance(
             exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError
-        ) or self.conn.is_closed()
-        if broken:
-            raise DatabaseUnavailable(f"connection lost in {where}: {exc!r}") from exc
+        ) or bool(self.conn.is_closed())
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return isinstance(exc, RETRY_TRANSACTION)
+
+    async def fence(self, request_ids: Sequence[str]) -> set[str]:
+        rows = await self.conn.fetch(Q["fence"], list(request_ids), self.owner)
+        return {r["request_id"] for r in rows}
+
+    async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
+        ids = [m.request_id for m in live]
+        done = await (
+            self.conn.fetch(Q["complete_with_result"], ids, list(outputs), self.owner,
+                            [m.raw.group_id for m in live])
+            if self.results else self.conn.fetch(Q["complete"], ids, list(outputs), self.owner))
+        return len(done)
+
+    async def clear_failures(self, request_ids: Sequence[str]) -> None:
+        await self.conn.execute(Q["clear_attempts"], list(request_ids))
 
 
-def _drop_with_followers(todo: list[Message], bad: Message, fifo: bool) -> list[Message]:
-    """Take a failed message out of ``todo``; on FIFO also the later ones of its group
-    (returned: they are blocked behind it)."""
-    at = todo.index(bad)
-    todo.pop(at)
-    if not fifo or bad.raw.group_id is None:
-        return []
-    after = [m for m in todo[at:] if m.raw.group_id == bad.raw.group_id]
-    for m in after:
-        todo.remove(m)
-    return after
+class _PgAttempt:
+    """``async with``: one asyncpg transaction, yielding the seam itself (a small class, not
+    ``@asynccontextmanager``: it runs once per attempt on the hot path)."""
 
+    __slots__ = ("_tx", "_txns")
 
-def _encode_result(value: Any) -> str | None:
-    """Serialise a handler's result inside its own failure scope (a bad result is the
-    handler's failure, not the batch's)."""
-    if value is None:
-        return None
-    encoded = orjson.dumps(value).decode()
-    if "\\u0000" in encoded:
-        raise ValueError("handler result contains a NUL character (not storable in jsonb)")
-    return encoded
+    def __init__(self, txns: _PgTransactions) -> None:
+        self._txns = txns
+        self._tx = txns.conn.transaction()
 
+    async def __aenter__(self) -> _PgTransactions:
+        await self._tx.__aenter__()
+        return self._txns
 
-def _split_fenced(
-    todo: list[Message], held: set[str], fifo: bool
-) -> tuple[list[Message], list[Message], list[Message]]:
-    """(live, lost, blocked): on FIFO, a lost claim holds back the rest of its group."""
-    live: list[Message] = []
-    lost: list[Message] = []
-    blocked: list[Message] = []
-    stopped: set[str] = set()
-    for m in todo:
-        group = m.raw.group_id if fifo else None
-        if group is not None and group in stopped:
-            blocked.append(m)
-        elif m.request_id in held:
-            live.append(m)
-        else:
-            lost.append(m)
-            if group is not None:
-                stopped.add(group)
-    return live, lost, blocked
+    async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        await self._tx.__aexit__(typ, exc, tb)
 
 
 def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:

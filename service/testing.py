@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
+from service import completion
 from service.errors import AckFailed, DatabaseUnavailable, SchemaBehind, TransientError
 from service.messages import Message, Received
 from service.seams import (
@@ -161,6 +164,10 @@ class FakeQueue:
         }
 
 
+#: The own-leak GC spares claims younger than this (queries.sql gc_own_leaks: 30 seconds).
+OWN_LEAK_MARGIN = 30.0
+
+
 @dataclass
 class Row:
     """One ``modifications`` row of the fake database."""
@@ -176,6 +183,7 @@ class Row:
     payload_pointer: str | None = None
     group_id: str | None = None  # FIFO: MessageGroupId and SequenceNumber of the claim
     sequence_number: int | None = None
+    claimed_at: float = field(default_factory=time.monotonic)  # received_at of the claim
 
 
 @dataclass
@@ -210,6 +218,10 @@ class FakeDatabase:
     def age_worker(self, worker_id: str, seconds: float) -> None:
         """Make a worker's last heartbeat ``seconds`` older (tests of GC)."""
         self.workers[worker_id].heartbeat_at -= seconds
+
+    def age_claim(self, request_id: str, seconds: float) -> None:
+        """Make a claim ``seconds`` older (tests of the own-leak GC)."""
+        self.rows[request_id].claimed_at -= seconds
 
 
 class FakeStore:
@@ -285,9 +297,14 @@ class FakeStore:
                  "sqs_message_id": r.sqs_message_id} for r in released]
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
-        # The real store spares claims younger than 30 s; the fake's claims never age.
         self._check()
-        return []
+        held, old = set(holding), time.monotonic() - OWN_LEAK_MARGIN
+        leaks = [r.request_id for r in self.db.rows.values()
+                 if _held_by(self.worker_id, r) and r.request_id not in held
+                 and r.claimed_at < old]
+        for request_id in leaks:
+            del self.db.rows[request_id]
+        return leaks
 
     # -- the pipeline ------------------------------------------------------------------
 
@@ -343,42 +360,11 @@ class FakeStore:
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
         batch: Batching | None = None,
     ) -> ApplyResult:
-        """Handlers one by one (a failure is taken out; FIFO: its group's later messages
-        are blocked). The batch form runs first when given, as in ``Store.apply``."""
+        """The store's own attempt loop (``service.completion``) over these tables."""
         self._check()
-        res = ApplyResult(committed_at=time.time())
-        live: list[Message] = []
-        stopped: set[str] = set()
-        for m in messages:
-            group = m.raw.group_id if fifo else None
-            if group is not None and group in stopped:
-                res.blocked.append(m)
-            elif _held_by(self.worker_id, self.db.rows.get(m.request_id)):
-                live.append(m)
-            else:
-                res.lost.append(m)
-                if group is not None:
-                    stopped.add(group)
-        done = await _run_batched(live, batch) if batch is not None and not fifo else {}
-        failed_groups: set[str] = set()  # only a failure blocks the live messages after it
-        for m in live:
-            if fifo and m.raw.group_id in failed_groups:
-                res.blocked.append(m)
-                continue
-            try:
-                out = done[id(m)] if id(m) in done else await call(m, None)
-            except Exception as exc:
-                res.failed.append((m, exc))
-                if fifo and m.raw.group_id is not None:
-                    failed_groups.add(m.raw.group_id)
-                continue
-            row = self.db.rows[m.request_id]
-            row.status, row.result = "COMPLETED", out
-            self.db.failures.pop(m.request_id, None)
-            res.completed.append((m, out))
-            if self.results:
-                self._result(m.request_id, m.type, "COMPLETED", out, None, m.raw.group_id)
-        return res
+        once, batch_once = _replayed(call, batch)
+        return await completion.complete(
+            _FakeTransactions(self), messages, once, fifo, batch_once)
 
     def _result(self, request_id: str, type_: str | None, status: str, result: Any,
                 reason: str | None, group_id: str | None) -> None:
@@ -482,26 +468,89 @@ def _held_by(worker_id: str, row: Row | None) -> bool:
     return row is not None and row.owner == worker_id and row.status == "IN_PROGRESS"
 
 
-async def _run_batched(
-    live: list[Message], batch: Batching
-) -> dict[int, dict[str, Any] | None]:
+class _FakeTransactions:
+    """``completion.Transactions`` over a ``FakeStore``'s tables: an attempt's completions are
+    kept aside and written when its block ends normally (a rollback drops them). Handlers
+    get ``conn=None``; the fake knows no outage or conflict inside a handler."""
+
+    conn: Any = None
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+        self.done: list[tuple[Message, str | None]] = []
+        self.cleared: list[str] = []
+
+    def attempt(self) -> _FakeAttempt:
+        return _FakeAttempt(self)
+
+    def is_outage(self, exc: BaseException) -> bool:
+        return False
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return False
+
+    async def fence(self, request_ids: Sequence[str]) -> set[str]:
+        rows = self.store.db.rows
+        return {r for r in request_ids if _held_by(self.store.worker_id, rows.get(r))}
+
+    async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
+        self.done = list(zip(live, outputs, strict=True))
+        return len(self.done)
+
+    async def clear_failures(self, request_ids: Sequence[str]) -> None:
+        self.cleared = list(request_ids)
+
+    def commit(self) -> None:
+        s = self.store
+        for m, out in self.done:
+            row = s.db.rows[m.request_id]
+            row.status, row.result = "COMPLETED", orjson.loads(out) if out is not None else None
+            s.db.failures.pop(m.request_id, None)
+            if s.results:
+                s._result(m.request_id, m.type, "COMPLETED", row.result, None, m.raw.group_id)
+
+
+class _FakeAttempt:
+    def __init__(self, txns: _FakeTransactions) -> None:
+        self.txns = txns
+
+    async def __aenter__(self) -> _FakeTransactions:
+        self.txns.store._check()
+        self.txns.done, self.txns.cleared = [], []
+        return self.txns
+
+    async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.txns.commit()
+
+
+def _replayed(
+    call: HandlerCall, batch: Batching | None
+) -> tuple[HandlerCall, Batching | None]:
+    """The fake cannot roll a handler's Python side effects back, so within one ``apply`` a
+    handler that already ran for a message is not run again when the loop reruns the
+    transaction: its first result is replayed (what a rolled-back rerun leaves behind)."""
+    ran: dict[int, Any] = {}
+
+    async def one(m: Message, conn: Any) -> dict[str, Any] | None:
+        if id(m) not in ran:
+            ran[id(m)] = await call(m, conn)
+        out: dict[str, Any] | None = ran[id(m)]
+        return out
+
+    if batch is None:
+        return one, None
     key_of, call_many = batch
-    groups: dict[object, list[Message]] = {}
-    for m in live:
-        key = key_of(m)
-        if key is not None:
-            groups.setdefault(key, []).append(m)
-    done: dict[int, dict[str, Any] | None] = {}
-    for group in groups.values():
-        if len(group) < 2:
-            continue
-        try:
-            outs = await call_many(group, None)
-        except Exception:
-            continue  # one by one finds the culprit
+
+    async def many(ms: list[Message], conn: Any) -> list[dict[str, Any] | None] | None:
+        if all(id(m) in ran for m in ms):
+            return [ran[id(m)] for m in ms]
+        outs = await call_many(ms, conn)
         if outs is not None:
-            done.update((id(m), o) for m, o in zip(group, outs, strict=True))
-    return done
+            ran.update((id(m), o) for m, o in zip(ms, outs, strict=True))
+        return outs
+
+    return one, (key_of, many)
 
 
 def _conforms(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any, Protocol
 
 import asyncpg
@@ -49,6 +50,9 @@ class Backend(Protocol):
     async def letters(self) -> dict[str, tuple[str, str]]: ...
     async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]: ...
     async def carried(self, request_id: str) -> tuple[Any, str | None]: ...
+    async def age_claims(self, request_ids: list[str], seconds: float) -> None: ...
+    async def lose_migrations(self) -> None: ...
+    async def go_down(self) -> None: ...
 
 
 class FakeBackend:
@@ -76,6 +80,16 @@ class FakeBackend:
     async def carried(self, request_id: str) -> tuple[Any, str | None]:
         r = self.db.rows[request_id]
         return r.message_attributes, r.payload_pointer
+
+    async def age_claims(self, request_ids: list[str], seconds: float) -> None:
+        for r in request_ids:
+            self.db.age_claim(r, seconds)
+
+    async def lose_migrations(self) -> None:
+        self.db.schema_behind = True
+
+    async def go_down(self) -> None:
+        self.db.down = True
 
 
 class RealBackend:
@@ -108,6 +122,17 @@ class RealBackend:
         r = await self.pool.fetchrow("SELECT message_attributes, payload_pointer FROM modifications"
                                      " WHERE request_id = $1", request_id)
         return r["message_attributes"], r["payload_pointer"]
+
+    async def age_claims(self, request_ids: list[str], seconds: float) -> None:
+        await self.pool.execute("UPDATE modifications SET received_at = received_at - $2::interval"
+                                " WHERE request_id = ANY($1)", request_ids,
+                                timedelta(seconds=seconds))
+
+    async def lose_migrations(self) -> None:
+        await self.pool.execute("DELETE FROM ingest_schema_migrations")
+
+    async def go_down(self) -> None:
+        await self.pool.close()  # every later call finds no database
 
     async def prune_outbox(self, retention_days: float, limit: int) -> int:
         """One batch of the pruner's outbox step (service.prune; the store no longer
@@ -489,3 +514,39 @@ async def test_fifo_claim_holds_a_message_behind_an_earlier_unfinished_one_of_it
     assert [r["request_id"] for r in await s.gc(lease_seconds=30)] == ["g-1"]
     c = await s.claim([msg("g-2", 2, group="G", seq=SEQ + 20)])
     assert (c["g-2"].claimed, c["g-2"].held) == (True, False)
+
+
+async def test_own_leak_gc_spares_held_young_and_foreign_claims(backend: Backend) -> None:
+    """gc_own_leaks releases this worker's claims that no batch holds any more, once they
+    are older than the margin (a claim made after the caller's snapshot of ``holding`` is
+    safe); another worker's claims are never its business."""
+    a, b = await backend.store("w-a"), await backend.store("w-b")
+    await a.claim([msg("held"), msg("leaked"), msg("young")])
+    await b.claim([msg("theirs")])
+    assert await a.gc_own_leaks(["held"]) == []  # all younger than the margin
+    await backend.age_claims(["held", "leaked", "theirs"], 60)
+    assert await a.gc_own_leaks(["held"]) == ["leaked"]
+    assert await backend.statuses() == {"held": ("IN_PROGRESS", "w-a"),
+                                        "young": ("IN_PROGRESS", "w-a"),
+                                        "theirs": ("IN_PROGRESS", "w-b")}
+    assert await a.gc_own_leaks(["held"]) == []  # released once
+
+
+async def test_ping_and_schema_check(backend: Backend) -> None:
+    """ping answers while the database is there; check_schema raises SchemaBehind once a
+    migration this code needs is missing; with the database gone, DatabaseUnavailable."""
+    from service.errors import DatabaseUnavailable, SchemaBehind
+
+    a = await backend.store("w-a")
+    await a.ping()
+    await a.check_schema()
+    await backend.lose_migrations()
+    with pytest.raises(SchemaBehind):
+        await a.check_schema()
+    await a.ping()  # behind is not down
+    await backend.go_down()
+    with pytest.raises(DatabaseUnavailable):
+        await a.ping()
+    with pytest.raises(DatabaseUnavailable):
+        await a.claim([msg("r1")])
+

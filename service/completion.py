@@ -1,0 +1,273 @@
+"""The completing transaction (SPEC §2.4) as a loop of attempts, without a driver: both
+stores run it — ``service.store.Store`` over PostgreSQL, ``service.testing.FakeStore`` over
+its tables — through the small transaction seam below, so the fake cannot drift from it.
+
+One attempt runs in one transaction: fence the claims (those still ours, locked until the
+end), run the handlers of the live ones, complete them, clear their failure counts. It
+commits, or it rolls back and says what happens next:
+
+* a handler raised: its message is taken out (on a FIFO queue with the later messages of its
+  group: blocked behind it) and the attempt runs again without it, so one bad message never
+  rolls back its neighbours' effects for good;
+* a conflict in a handler (deadlock, serialization, lock not available: nobody's fault):
+  rerun as is, ``MAX_RERUNS`` times; then one by one, where a conflict is the failure of the
+  message that hit it, so the loop always ends;
+* a batch call raised: rerun one message at a time to find the culprit;
+* the connection is gone: ``DatabaseUnavailable`` (an outage, not the handler's failure).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from service.errors import DatabaseUnavailable
+from service.messages import Message
+from service.seams import ApplyResult, Batching, HandlerCall
+
+#: Conflicts (deadlock, serialization, lock not available) rerun as is this many times;
+#: after that, one by one, and a conflict is the failure of the message that hit it.
+MAX_RERUNS = 3
+
+
+class Transaction(Protocol):
+    """One run of the completing transaction: what is done through it commits together when
+    the ``Transactions.attempt()`` block ends normally, and rolls back when it raises."""
+
+    #: What handlers are given as their connection (None in the fake).
+    conn: Any
+
+    async def fence(self, request_ids: Sequence[str]) -> set[str]:
+        """The request_ids still claimed by this worker, locked until the transaction ends
+        (a claim collected by GC is not among them)."""
+
+    async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
+        """Mark ``live`` COMPLETED with their results (JSON text, or None), fenced on the
+        owner (and, with results on, write their outbox rows); returns the rows completed."""
+
+    async def clear_failures(self, request_ids: Sequence[str]) -> None:
+        """Forget the failure counts of requests that completed after earlier failures."""
+
+
+class Transactions(Protocol):
+    """Where attempts run: one connection (or the fake's tables), and what its driver's
+    exceptions mean."""
+
+    def attempt(self) -> AbstractAsyncContextManager[Transaction]:
+        """Begin one transaction (committed when the block ends normally)."""
+
+    def is_outage(self, exc: BaseException) -> bool:
+        """``exc``, raised in a handler, means the connection itself is gone (a handler's
+        own OSError or timeout is the handler's failure, not an outage)."""
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        """``exc``, raised in a handler, is a deadlock, a serialization failure or a lock not
+        available: the transaction may succeed as is when run again."""
+
+
+async def complete(
+    txns: Transactions, messages: Sequence[Message], call: HandlerCall,
+    fifo: bool = False, batch: Batching | None = None,
+) -> ApplyResult:
+    """Run handlers and mark COMPLETED in one transaction, attempt after attempt until one
+    commits (module docstring). With ``batch``, messages whose handlers have a batch form
+    run as one call; FIFO queues never batch (order)."""
+    result = ApplyResult()
+    todo = list(messages)
+    reruns = 0
+    singly = fifo or batch is None
+    while True:
+        attempt = _Attempt(txns, call, None if singly else batch, fifo,
+                           may_rerun=reruns < MAX_RERUNS)
+        step = await attempt.run(todo)
+        if isinstance(step, _Committed):
+            step.into(result)
+            return result
+        if isinstance(step, _Failed):
+            result.failed.append((step.message, step.error))
+            result.blocked.extend(drop_with_followers(todo, step.message, fifo))
+        elif isinstance(step, _Rerun):
+            reruns += 1
+            # From now on one by one: a conflict in a handler is that message's failure,
+            # so the loop always ends.
+            singly = singly or reruns >= MAX_RERUNS
+        else:
+            singly = True  # a batch call failed: find the failing message
+
+
+@dataclass(slots=True)
+class _Committed:
+    live: list[Message]
+    outputs: list[str | None]
+    lost: list[Message]
+    blocked: list[Message]
+
+    def into(self, result: ApplyResult) -> None:
+        result.completed.extend(
+            (m, orjson.loads(o) if o is not None else None)
+            for m, o in zip(self.live, self.outputs, strict=True)
+        )
+        result.lost.extend(self.lost)
+        result.blocked.extend(self.blocked)
+        result.committed_at = time.time()
+
+
+@dataclass(slots=True)
+class _Failed:
+    message: Message
+    error: BaseException
+
+
+class _Rerun:
+    """Roll back and run the same transaction again (deadlock, serialization)."""
+
+
+class _OneByOne:
+    """A batch call failed: roll back and rerun one message at a time."""
+
+
+_Step = _Committed | _Failed | _Rerun | _OneByOne
+
+
+class _Abort(Exception):
+    """Leaves the transaction block (rolling it back) carrying what happens next."""
+
+    def __init__(self, step: _Step) -> None:
+        self.step = step
+
+
+class _Attempt:
+    """One run of the completing transaction over ``todo``; says what happened."""
+
+    __slots__ = ("batch", "call", "fifo", "may_rerun", "txns")
+
+    def __init__(
+        self, txns: Transactions, call: HandlerCall, batch: Batching | None, fifo: bool,
+        may_rerun: bool,
+    ) -> None:
+        self.txns = txns
+        self.call = call
+        self.batch = batch
+        self.fifo = fifo
+        self.may_rerun = may_rerun
+
+    async def run(self, todo: list[Message]) -> _Step:
+        try:
+            async with self.txns.attempt() as txn:
+                return await self._complete(txn, todo)
+        except _Abort as abort:
+            return abort.step
+
+    async def _complete(self, txn: Transaction, todo: list[Message]) -> _Committed:
+        held = await txn.fence([m.request_id for m in todo])
+        live, lost, blocked = split_fenced(todo, held, self.fifo)
+        results = await self._handlers(txn, live)
+        outputs = [results[id(m)] for m in live]
+        if live:
+            if await txn.complete(live, outputs) != len(live):
+                # Cannot happen while the fence locks hold; be loud if it does.
+                raise RuntimeError("fenced completion lost rows under lock")
+            retried = [m.request_id for m in live if m.failures > 0]
+            if retried:
+                await txn.clear_failures(retried)
+        return _Committed(live, outputs, lost, blocked)
+
+    async def _handlers(self, txn: Transaction, live: list[Message]) -> dict[int, str | None]:
+        results: dict[int, str | None] = {}
+        one_by_one = live
+        if self.batch is not None:
+            one_by_one = await self._batched(txn, live, self.batch, results)
+        for m in one_by_one:
+            try:
+                results[id(m)] = encode_result(await self.call(m, txn.conn))
+            except Exception as exc:
+                self._raise_if_outage(exc, "a handler")
+                if self.may_rerun and self.txns.is_conflict(exc):
+                    raise _Abort(_Rerun()) from exc
+                # Also a conflict that keeps coming back in this one message's handler
+                # (its own NOWAIT/lock_timeout): blame it.
+                raise _Abort(_Failed(m, exc)) from exc
+        return results
+
+    async def _batched(
+        self, txn: Transaction, live: list[Message], batch: Batching,
+        results: dict[int, str | None],
+    ) -> list[Message]:
+        """Run the batchable groups; return the messages still to run one by one."""
+        key_of, call_many = batch
+        groups: dict[object, list[Message]] = {}
+        rest: list[Message] = []
+        for m in live:
+            key = key_of(m)
+            (rest if key is None else groups.setdefault(key, [])).append(m)
+        for group in groups.values():
+            if len(group) == 1:
+                rest.extend(group)
+                continue
+            try:
+                outs = await call_many(group, txn.conn)
+                if outs is None:
+                    rest.extend(group)
+                    continue
+                for m, out in zip(group, outs, strict=True):
+                    results[id(m)] = encode_result(out)
+            except Exception as exc:
+                self._raise_if_outage(exc, "a batch handler")
+                raise _Abort(_Rerun() if self.txns.is_conflict(exc) else _OneByOne()) from exc
+        return rest
+
+    def _raise_if_outage(self, exc: BaseException, where: str) -> None:
+        """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
+        failure; only a connection that is actually gone is a database outage."""
+        if self.txns.is_outage(exc):
+            raise DatabaseUnavailable(f"connection lost in {where}: {exc!r}") from exc
+
+
+def split_fenced(
+    todo: list[Message], held: set[str], fifo: bool
+) -> tuple[list[Message], list[Message], list[Message]]:
+    """(live, lost, blocked): on FIFO, a lost claim holds back the rest of its group."""
+    live: list[Message] = []
+    lost: list[Message] = []
+    blocked: list[Message] = []
+    stopped: set[str] = set()
+    for m in todo:
+        group = m.raw.group_id if fifo else None
+        if group is not None and group in stopped:
+            blocked.append(m)
+        elif m.request_id in held:
+            live.append(m)
+        else:
+            lost.append(m)
+            if group is not None:
+                stopped.add(group)
+    return live, lost, blocked
+
+
+def drop_with_followers(todo: list[Message], bad: Message, fifo: bool) -> list[Message]:
+    """Take a failed message out of ``todo``; on FIFO also the later ones of its group
+    (returned: they are blocked behind it)."""
+    at = todo.index(bad)
+    todo.pop(at)
+    if not fifo or bad.raw.group_id is None:
+        return []
+    after = [m for m in todo[at:] if m.raw.group_id == bad.raw.group_id]
+    for m in after:
+        todo.remove(m)
+    return after
+
+
+def encode_result(value: Any) -> str | None:
+    """Serialise a handler's result inside its own failure scope (a bad result is the
+    handler's failure, not the batch's)."""
+    if value is None:
+        return None
+    encoded = orjson.dumps(value).decode()
+    if "\\u0000" in encoded:
+        raise ValueError("handler result contains a NUL character (not storable in jsonb)")
+    return encoded
