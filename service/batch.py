@@ -63,7 +63,7 @@ class BatchProcessor:
         handler_timeout: float,
         fatal: Fatal,
         payloads: S3Payloads | None = None,
-        limit: ReceiveLimit | None = None,
+        limit: ReceiveLimit,
         budget: MemoryBudget | None = None,
     ) -> None:
         self.store = store
@@ -74,7 +74,7 @@ class BatchProcessor:
         self.visibility_timeout = visibility_timeout
         self.invoker = Invoker(registry, handler_timeout)
         # The live dead-letter limit: maintenance updates it from the queue's RedrivePolicy.
-        self.limit = limit or ReceiveLimit(policy.max_failures, fifo)
+        self.limit = limit
         self.executor = PlanExecutor(queue, store, self.limit)
         self.fatal = fatal
         self.budget = budget  # INGEST_MAX_INFLIGHT_BYTES (None: nothing counted)
@@ -256,8 +256,7 @@ class BatchProcessor:
             if plan.letters and c.to_apply:
                 # Durable before any handler runs: a letter the database refuses must fail
                 # (and bisect) this part before its handlers' work is done and counted.
-                await self.store.dead_letter(plan.letters)
-                plan.letters = []
+                await self.executor.commit_letters(plan.letters, flight)
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
         if self.fifo:

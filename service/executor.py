@@ -16,7 +16,7 @@ from service.errors import DB_ERRORS
 from service.messages import Message, Received
 from service.plan import Plan
 from service.retry import ReceiveLimit
-from service.seams import QueueSeam, StoreSeam
+from service.seams import DeadLetter, QueueSeam, StoreSeam
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -34,6 +34,8 @@ class InFlight:
     held_groups: dict[str, int] = field(default_factory=dict)
     hidden_for: int = 0  # seconds of visibility so far (the 12-hour cap counts from receive)
     budget_owner: object = field(default_factory=object)  # its bytes in the memory budget
+    # Dead letters already committed (by message id): carry_out does not write them again.
+    lettered: set[str] = field(default_factory=set)
     body_bytes: int = 0  # of which its bodies (the rest: payloads of the current round)
 
     def __post_init__(self) -> None:
@@ -64,7 +66,7 @@ class PlanExecutor:
     """Applies plans: the only place that deletes messages or changes their visibility."""
 
     def __init__(
-        self, queue: QueueSeam, store: StoreSeam, limit: ReceiveLimit | None = None
+        self, queue: QueueSeam, store: StoreSeam, limit: ReceiveLimit
     ) -> None:
         self.queue = queue
         self.store = store
@@ -74,8 +76,10 @@ class PlanExecutor:
 
     async def carry_out(self, plan: Plan, flight: InFlight) -> None:
         """Letters durable first, then acks (AckFailed propagates: exit 3), then releases."""
-        if plan.letters:
-            await self.store.dead_letter(plan.letters)
+        letters = [d for d in plan.letters if d.sqs_message_id not in flight.lettered] \
+            if flight.lettered else plan.letters
+        if letters:
+            await self.commit_letters(letters, flight)
         for reason in plan.dead_letter_reasons:
             metrics.dead_letters.labels(reason).inc()
         for lag in plan.lags:
@@ -100,6 +104,12 @@ class PlanExecutor:
         if plan.releases or plan.deferrals:
             flight.resolve([r for r, _ in (*plan.releases, *plan.deferrals)])
 
+    async def commit_letters(self, letters: Sequence[DeadLetter], flight: InFlight) -> None:
+        """Make ``letters`` durable now (before a batch's handlers run); ``carry_out`` then
+        does not write them again."""
+        await self.store.dead_letter(letters)
+        flight.lettered.update(d.sqs_message_id for d in letters)
+
     async def change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
         failed = await self.queue.change_visibility_batch(changes)
         if failed:
@@ -121,8 +131,6 @@ class PlanExecutor:
         queue's maxReceiveCount (``ReceiveLimit.must_requeue``); returns the others, and
         those whose copy could not be sent, for the plain hand-back."""
         limit = self.limit
-        if limit is None:
-            return list(changes)
         fresh: list[tuple[Received, int]] = []
         plain: list[tuple[Received, int]] = []
         for change in changes:

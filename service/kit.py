@@ -148,7 +148,7 @@ class Runner:
         from service.batch import BatchProcessor
         from service.dbhealth import DatabaseHealth
         from service.handlers import load_reference_handlers
-        from service.retry import RetryPolicy
+        from service.retry import ReceiveLimit, RetryPolicy
         from service.store import Store, create_pool
         from service.testing import FakeQueue
 
@@ -167,7 +167,8 @@ class Runner:
             processor = BatchProcessor(
                 queue, store, self.registry, RetryPolicy(), health, fifo=False,
                 visibility_timeout=30, handler_timeout=60,
-                fatal=lambda *a, **k: fatal.append((a, k)))
+                fatal=lambda *a, **k: fatal.append((a, k)),
+                limit=ReceiveLimit(RetryPolicy().max_failures))
             ids: list[str] = []
             for i in range(0, len(bodies), 10):
                 sent = [queue.send(b) for b in bodies[i:i + 10]]

@@ -36,8 +36,8 @@ class Maintenance:
         health: DatabaseHealth,
         holding: collections.Counter[str],
         started_at: float,
+        limit: ReceiveLimit,
         publisher: Publisher | None = None,
-        limit: ReceiveLimit | None = None,
     ) -> None:
         self.s = settings
         self.queue = queue
@@ -47,7 +47,7 @@ class Maintenance:
         self.started_at = started_at
         self.publisher = publisher
         # The queue's RedrivePolicy, refreshed with the gauges (service.redrive).
-        self.limit = limit or ReceiveLimit(settings.max_receive_count, settings.is_fifo)
+        self.limit = limit
         self.sqs_ok = True  # the last SQS call (receive or GetQueueAttributes) worked
         self._oldest_sent: float | None = None
         self._last_oldest_sent: float | None = None

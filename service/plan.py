@@ -8,7 +8,7 @@ deletes → visibility changes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -154,8 +154,8 @@ def classify(
             if group is not None:
                 blocked_groups[group] = delay
         elif c.claimed:
-            m.failures = c.failures
-            out.to_apply.append(m)
+            # A new value with the claim's failure count: the parsed message stays as parsed.
+            out.to_apply.append(m if m.failures == c.failures else replace(m, failures=c.failures))
         elif c.status is not None and (
             c.payload_sha256 != m.payload_sha256 or c.request_type != m.type
         ):
@@ -233,7 +233,7 @@ def describe(exc: BaseException) -> str:
 
 def settle_failures(
     failures: Sequence[tuple[Message, str]], counts: Mapping[str, int], policy: RetryPolicy,
-    limit: ReceiveLimit | None = None,
+    limit: ReceiveLimit,
 ) -> Plan:
     """A handler failure is retried after a backoff; at the limit — the live one, lowered by
     the queue's RedrivePolicy, or SQS's last receive — it is dead-lettered (already
@@ -241,7 +241,7 @@ def settle_failures(
     plan = Plan()
     for m, err in failures:
         n = counts[m.request_id]
-        if limit.exhausted(n, m.raw.receive_count) if limit else policy.exhausted(n):
+        if limit.exhausted(n, m.raw.receive_count):
             plan.ack(m.raw, m.type, "dead_lettered")
             plan.dead_letter_reasons.append("max_receives_exceeded")
             log.error("dead_lettered_after_retries", message_id=m.raw.message_id,

@@ -93,7 +93,7 @@ class Worker:
         )
         self.maintenance = Maintenance(
             settings, queue, store, self.health, self.batches.holding, self.started_at,
-            publisher, self.limit,
+            self.limit, publisher,
         )
 
     # -- lifecycle ---------------------------------------------------------------------

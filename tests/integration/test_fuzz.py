@@ -27,7 +27,7 @@ from service.batch import BatchProcessor
 from service.dbhealth import DatabaseHealth
 from service.handlers import default_registry, load_reference_handlers
 from service.messages import Message
-from service.retry import RetryPolicy
+from service.retry import ReceiveLimit, RetryPolicy
 from service.seams import ClaimResult
 from service.store import Store, create_pool
 from service.testing import FakeQueue
@@ -145,7 +145,7 @@ async def run_batch(pool: asyncpg.Pool, hostile: str, at: int) -> None:
     health = DatabaseHealth(store, asyncio.Event(), _noop)
     bp = BatchProcessor(q, store, default_registry, RetryPolicy(rng=lambda: 0.5), health,
                         fifo=False, visibility_timeout=30, handler_timeout=10,
-                        fatal=lambda *a, **k: fatal.append((a, k)))
+                        fatal=lambda *a, **k: fatal.append((a, k)), limit=ReceiveLimit(5))
     await bp.run(batch)
     hostile_mid = mids[at]
     assert fatal == [] and health.is_up

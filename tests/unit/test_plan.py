@@ -18,7 +18,7 @@ from service.plan import (
     settle_failures,
     triage,
 )
-from service.retry import RetryPolicy
+from service.retry import ReceiveLimit, RetryPolicy
 from service.seams import ApplyResult, ClaimResult
 
 POLICY = RetryPolicy(base_seconds=2, max_seconds=900, contention_seconds=4, max_failures=3,
@@ -178,7 +178,8 @@ def test_settle_acks_completed_and_hands_back_lost_and_blocked() -> None:
 
 def test_settle_failures_backs_off_then_acks_the_exhausted() -> None:
     early, late = parsed("m1", "r1", receives=3), parsed("m2", "r2", receives=5)
-    plan = settle_failures([(early, "boom"), (late, "boom")], {"r1": 2, "r2": 3}, POLICY)
+    plan = settle_failures([(early, "boom"), (late, "boom")], {"r1": 2, "r2": 3}, POLICY,
+                           ReceiveLimit(POLICY.max_failures))
     assert [(r.message_id, d) for r, d in plan.releases] == [("m1", 4)]  # 2 * 2^2 / 2
     assert [a.message_id for a in plan.acks] == ["m2"]
     assert plan.outcomes == [("note", "retried"), ("note", "dead_lettered")]
@@ -192,3 +193,14 @@ def test_describe_is_the_exception_type_and_text_capped_at_2000() -> None:
     assert describe(RuntimeError("boom")) == "RuntimeError: boom"
     long = describe(ValueError("x" * 5000))
     assert len(long) == 2000 and long.startswith("ValueError: xxx")
+
+
+def test_classify_returns_new_values_and_leaves_its_input_as_parsed() -> None:
+    """The failure count the claim found goes into the message to apply, a new value: the
+    parsed message (held by the batch's claims list) is not changed."""
+    m = parsed("m1", "r1")
+    found = ClaimResult("r1", True, None, None, None, None, 2)
+    c = classify([m], {"r1": found}, POLICY, fifo=False)
+    [to_apply] = c.to_apply
+    assert (to_apply.request_id, to_apply.failures) == ("r1", 2)
+    assert m.failures == 0 and to_apply is not m

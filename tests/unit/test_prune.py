@@ -21,6 +21,7 @@ from service.retention import (
     queue_retention,
     safe_without_queue,
 )
+from service.retry import ReceiveLimit
 from service.settings import ConfigError, Settings, load_settings
 from service.sql import queries
 
@@ -112,7 +113,7 @@ def maintenance(s: Settings, queue: Queue | None = None) -> Maintenance:
     health: Any = SimpleNamespace(is_up=True)
     store: Any = SimpleNamespace()
     return Maintenance(s, queue or Queue(), store, health,  # type: ignore[arg-type]
-                       collections.Counter(), 0.0)
+                       collections.Counter(), 0.0, ReceiveLimit(s.max_receive_count))
 
 
 async def test_each_pass_checks_the_queue_s_retention_again(

@@ -349,7 +349,7 @@ async def test_a_failed_release_is_tried_once_more_when_the_database_is_back() -
     from tests.unit.test_executor import RecordingStore, flight_of
 
     q, store = FakeQueue(), RecordingStore()
-    ex = PlanExecutor(q, store)
+    ex = PlanExecutor(q, store, limit_of(5, None))
     flight, claimed = flight_of(q, 1)
     flight.claimed = claimed
     store.fail_release = True
