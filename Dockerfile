@@ -15,22 +15,19 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 RUN python -m venv /opt/venv
-# Dependencies from pyproject.toml alone, before any code is copied: a code edit rebuilds
-# one small layer, not the dependency install (nor pyspark's half-gigabyte download).
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-open('/src/requirements.txt', 'w').write('\n'.join(p['dependencies'])); \
-open('/src/requirements-reconcile.txt', 'w').write('\n'.join(p['optional-dependencies']['reconcile'])); \
-open('/src/requirements-otel.txt', 'w').write('\n'.join(p['optional-dependencies']['otel']))" \
-    && pip install -r /src/requirements.txt
+# Dependencies alone, before any code is copied: a code edit rebuilds one small layer, not
+# the dependency install (nor pyspark's half-gigabyte download). Exactly the locked
+# versions, each file checked against its hash (requirements/, `make lock`).
+COPY requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt /src/requirements/
+RUN pip install --require-hashes -r /src/requirements/runtime.txt
 # Tracing (INGEST_TRACING=true, OTEL_* variables) works in the image; nothing of it is
 # imported while tracing is off. --build-arg WITH_OTEL=0 leaves it out (about 10 MB).
 ARG WITH_OTEL=1
-RUN if [ "${WITH_OTEL}" = 1 ]; then pip install -r /src/requirements-otel.txt; fi
+RUN if [ "${WITH_OTEL}" = 1 ]; then pip install --require-hashes -r /src/requirements/otel.txt; fi
 
 # ---------------------------------------------------------------- builder
 FROM deps AS builder
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY migrations ./migrations
 COPY service ./service
 # Our own wheel (migrations are force-included as service/migrations), into the venv that
@@ -56,17 +53,23 @@ RUN if [ "${BOTOCORE_SERVICES}" != all ]; then \
 FROM deps AS builder-reconcile
 # The `reconcile` extra (pyspark) is large: kept out of the daemon image, installed in its
 # own layer that only a pyproject.toml change rebuilds.
-RUN pip install -r /src/requirements-reconcile.txt
+RUN pip install --require-hashes -r /src/requirements/reconcile.txt
 COPY --from=builder /dist /dist
 RUN pip install --no-deps /dist/*.whl
 
 # -------------------------------------------------------------- reconcile
 FROM ${PYTHON_IMAGE} AS reconcile
+# Debian packages pinned to bookworm's versions (main, the suite the base image is made
+# from): the same JRE and JDBC driver in every build. Debian keeps only the current version
+# of a package in the archive, so a point release that updates one makes this build fail
+# loudly instead of drifting: bump the ARG (apt-cache policy PACKAGE on bookworm).
+ARG OPENJDK_VERSION=17.0.19+10-1~deb12u2
+ARG PGJDBC_VERSION=42.5.5-0+deb12u1
 # Slim images delete /usr/share/man; the JRE's postinst fails without man1.
-# hadolint ignore=DL3008
 RUN mkdir -p /usr/share/man/man1 \
     && apt-get update \
-    && apt-get install -y --no-install-recommends openjdk-17-jre-headless libpostgresql-jdbc-java \
+    && apt-get install -y --no-install-recommends \
+       "openjdk-17-jre-headless=${OPENJDK_VERSION}" "libpostgresql-jdbc-java=${PGJDBC_VERSION}" \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 ingest \
     && useradd --system --uid 10001 --gid ingest --home-dir /tmp --no-create-home \
@@ -78,6 +81,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/tmp
 # Spark writes scratch files under the working directory and java.io.tmpdir:
 # /tmp is the one writable place when the root filesystem is read-only.
+# The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and
+# reconcile.txt concatenated (scripts/image.sh passes it; `docker image inspect` shows it).
+ARG LOCK_SHA256=unset
+LABEL io.sqs-ingest.lock-sha256=${LOCK_SHA256}
 WORKDIR /tmp
 USER 10001:10001
 EXPOSE 9103
@@ -94,6 +101,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     INGEST_HTTP_PORT=9102
+# The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and
+# reconcile.txt concatenated (scripts/image.sh passes it; `docker image inspect` shows it).
+ARG LOCK_SHA256=unset
+LABEL io.sqs-ingest.lock-sha256=${LOCK_SHA256}
 WORKDIR /tmp
 # Numeric ids so Kubernetes' runAsNonRoot can verify the user without /etc/passwd.
 USER 10001:10001

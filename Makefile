@@ -3,7 +3,13 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install install-run services stop run test test-fast test-reconcile lint bench bench-memory bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
+.PHONY: lock install install-run services stop run test test-fast test-reconcile lint bench bench-memory bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
+
+## make lock [LOCK_UPGRADE=1]: refresh the hashed lock files requirements/*.txt from
+## pyproject.toml (uv, in its own .venv-lock); make install / CI / the Dockerfile install
+## exactly them with pip --require-hashes. Commit the result.
+lock:
+	LOCK_UPGRADE=$(LOCK_UPGRADE) scripts/lock.sh
 
 install:
 	scripts/install.sh

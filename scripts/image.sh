@@ -98,8 +98,11 @@ build() {
   # afterwards reuses all of them from the cache.
   local log
   log=$(mktemp /tmp/sqs-ingest-build.XXXXXX)
+  local lock
+  lock=$(cat requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt \
+         | sha256sum | cut -d' ' -f1)
   if ! DOCKER_BUILDKIT=0 docker build --network host --build-arg "PYTHON_IMAGE=$base" \
-      --target "$target" -t "$image" . >"$log" 2>&1; then
+      --build-arg "LOCK_SHA256=$lock" --target "$target" -t "$image" . >"$log" 2>&1; then
     tail -n 30 "$log" >&2
     echo "image.sh: building $image failed (full log: $log)" >&2
     exit 1

@@ -33,8 +33,8 @@ if [ "$PROFILE" = all ]; then
     has kubectl || has kustomize || need_apt+=(kubectl)
   fi
 fi
-# One resolver run per profile: aiobotocore pins botocore, boto3/moto must agree with it.
-# emulator = moto server (+ boto3, which scripts/services.sh uses to create the queue).
+# Locked sets (requirements/, `make lock`): dev.txt for all, run.txt for run (runtime +
+# emulator = moto server, + boto3, which scripts/services.sh uses to create the queue).
 extras=emulator
 [ "$PROFILE" = all ] && extras=dev,reconcile,emulator
 localstack=$([ "$PROFILE" = all ] && [ "${INSTALL_LOCALSTACK:-1}" = 1 ] && echo yes || echo no)
@@ -54,29 +54,41 @@ fi
 
 [ "$STEP" != debian ] || exit 0
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
 full=.venv/.installed  # the whole set (profile all) is a superset of run's
+# Exactly the locked versions, checked against their hashes (requirements/*.txt, written by
+# `make lock`); then the project itself, without dependencies. A lock newer than the venv's
+# stamp rebuilds the venv, so nothing a previous lock brought lingers
+# (tests/unit/test_lock.py compares the venv with the lock).
+if [ "$PROFILE" = all ] && [ -d .venv ] && { [ ! -f "$full" ] || [ requirements/dev.txt -nt "$full" ]; } \
+   && [ -f .venv/.installed-any ]; then
+  rm -rf .venv
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
 if [ "$PROFILE" = all ]; then
-  if [ ! -f "$full" ] || [ pyproject.toml -nt "$full" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e ".[$extras]"
+  if [ ! -f "$full" ] || [ requirements/dev.txt -nt "$full" ] || [ pyproject.toml -nt "$full" ]; then
+    touch .venv/.installed-any
+    .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.txt
+    .venv/bin/python -m pip install -q --no-deps -e .
     touch "$full"
   fi
 else
   stamp=.venv/.installed-run
-  if { [ ! -f "$full" ] || [ pyproject.toml -nt "$full" ]; } \
-     && { [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; }; then
+  if { [ ! -f "$full" ] || [ requirements/dev.txt -nt "$full" ]; } \
+     && { [ ! -f "$stamp" ] || [ requirements/run.txt -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; }; then
+    touch .venv/.installed-any
     # uv, not pip, on the first-run path: pip spent ~2 of its ~2.3 minutes here fetching and
     # parsing index pages one project at a time (botocore's alone ~11 s); uv resolves and
     # downloads the same set in ~10 s (README "First run"). pip remains the fallback.
     uv=$(command -v uv || true)
-    if [ -z "$uv" ] && .venv/bin/python -m pip install -q uv && .venv/bin/uv --version >/dev/null 2>&1; then
+    if [ -z "$uv" ] && .venv/bin/python -m pip install -q uv==0.13.9 && .venv/bin/uv --version >/dev/null 2>&1; then
       uv=.venv/bin/uv
     fi
     if [ -n "$uv" ]; then
-      "$uv" pip install -q --python .venv/bin/python -e ".[$extras]"
+      "$uv" pip install -q --python .venv/bin/python --require-hashes -r requirements/run.txt
+      "$uv" pip install -q --python .venv/bin/python --no-deps -e .
     else
-      .venv/bin/python -m pip install -q -e ".[$extras]"
+      .venv/bin/python -m pip install -q --require-hashes -r requirements/run.txt
+      .venv/bin/python -m pip install -q --no-deps -e .
     fi
     touch "$stamp"
   fi

@@ -281,3 +281,15 @@ def test_image_sizes(images: dict[str, float]) -> None:
           f"reconcile {size(RECONCILE_IMAGE) / 1e6:.0f} MB; build {images['build_seconds']:.0f} s"
           f"\n{layers}")
     assert added <= 120e6, f"the daemon image adds {added / 1e6:.0f} MB over its base"
+
+
+def test_images_record_the_lock_they_were_built_from(images: dict[str, float]) -> None:
+    """Both images carry the sha256 of the lock files their venvs were installed from."""
+    import hashlib
+
+    lock = hashlib.sha256(b"".join((ROOT / "requirements" / name).read_bytes()
+                                   for name in ("runtime.txt", "otel.txt", "reconcile.txt")))
+    for image in (DAEMON_IMAGE, RECONCILE_IMAGE):
+        label = docker("image", "inspect", "--format",
+                       '{{index .Config.Labels "io.sqs-ingest.lock-sha256"}}', image).strip()
+        assert label == lock.hexdigest(), image

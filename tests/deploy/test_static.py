@@ -360,9 +360,10 @@ def test_dockerfile_contract() -> None:
     for pkg in ("openjdk-17-jre-headless", "libpostgresql-jdbc-java"):
         assert pkg in recon
     # The reconcile extra goes into the reconcile image only, the daemon venv is trimmed.
-    assert "['optional-dependencies']['reconcile']" in text
     builder = text[text.index("AS builder\n") : text.index("AS builder-reconcile")]
-    assert "requirements-reconcile" not in builder
+    rbuilder = text[text.index("AS builder-reconcile") : text.index("AS reconcile\n")]
+    assert "requirements/reconcile.txt" in rbuilder
+    assert "requirements/reconcile.txt" not in builder
     assert "pip uninstall -y -q pip setuptools" in builder
     assert re.search(r"^USER 10001", recon, re.M)
 
