@@ -38,7 +38,8 @@ cleanup() {
 trap cleanup EXIT
 
 completed() {
-  python3 - "$INGEST_HTTP_PORT" <<'PY'
+  # Quiet: in a bare machine python3 appears (half-unpacked at first) while make run runs.
+  python3 - "$INGEST_HTTP_PORT" 2>/dev/null <<'PY'
 import sys, urllib.request
 try:
     text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=1).read().decode()

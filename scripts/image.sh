@@ -112,6 +112,7 @@ build() {
 
 case "${1:-all}" in
 base) base_image ;;
+mirror) debian_mirror ;;  # the Debian mirror this machine's apt uses (scripts/first-run-bare.sh)
 all)
   base=${PYTHON_IMAGE:-$(base_image)}
   build "$base" reconcile "sqs-ingest-reconcile:$TAG"
@@ -119,5 +120,5 @@ all)
   docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' \
     | grep -E "^(sqs-ingest|sqs-ingest-reconcile):$TAG |^${base} " || true
   ;;
-*) echo "usage: $0 [all|base]" >&2; exit 64 ;;
+*) echo "usage: $0 [all|base|mirror]" >&2; exit 64 ;;
 esac
