@@ -26,13 +26,13 @@ class Note(BaseModel):
 
 
 def msg(rid: str, n: int = 1, mid: str | None = None, group: str | None = None,
-        seq: int | None = None) -> Message:
+        seq: int | None = None, type_: str = "note") -> Message:
     payload = {"n": n}
     # Independent of service.messages.payload_hash: the sorted compact JSON, hashed here.
     digest = hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
     raw = Received(mid or f"m-{rid}-{n}", "rh", json.dumps(payload), 1, None, group,
                    sequence_number=seq)
-    return Message(raw, rid, "note", Note(n=n), payload, digest)
+    return Message(raw, rid, type_, Note(n=n), payload, digest)
 
 
 async def ok(m: Message, conn: Any) -> dict[str, Any]:
@@ -173,6 +173,9 @@ async def test_claim_duplicate_and_conflict(backend: Backend) -> None:
     assert dup.payload_sha256 == msg("r1").payload_sha256  # → the worker acks a duplicate
     conflict = (await a.claim([msg("r1", n=2)]))["r1"]
     assert not conflict.claimed and conflict.payload_sha256 != msg("r1", n=2).payload_sha256
+    # The same payload under another type: the claim reports the type stored, not the one sent.
+    retyped = (await a.claim([msg("r1", type_="other")]))["r1"]
+    assert (retyped.claimed, retyped.request_type) == (False, "note")
     busy = (await (await backend.store("w-b")).claim([msg("r2")]))["r2"]
     assert (busy.claimed, busy.status, busy.owner) == (False, "IN_PROGRESS", "w-a")
 
@@ -184,6 +187,17 @@ async def test_completion_is_fenced_on_the_owner(backend: Backend) -> None:
     res = await b.apply([msg("r1")], ok)
     assert res.completed == [] and [m.request_id for m in res.lost] == ["r1"]
     assert await backend.statuses() == {"r1": ("IN_PROGRESS", "w-a")}
+    # Its own row, once COMPLETED, is not held any more either: applied again (a second
+    # batch of the same worker with the same request), nothing runs, the claim is lost.
+    assert [m.request_id for m, _ in (await a.apply([msg("r1")], ok)).completed] == ["r1"]
+    ran: list[str] = []
+
+    async def spy(m: Message, conn: Any) -> dict[str, Any]:
+        ran.append(m.request_id)
+        return await ok(m, conn)
+
+    again = await a.apply([msg("r1")], spy)
+    assert (again.completed, [m.request_id for m in again.lost], ran) == ([], ["r1"], [])
 
 
 async def test_gc_releases_a_dead_owner_never_a_live_one(backend: Backend) -> None:
@@ -218,6 +232,11 @@ async def test_release_gives_back_only_this_delivery(backend: Backend) -> None:
     assert await backend.statuses() == {"r1": ("IN_PROGRESS", "w-a")}
     await a.release([msg("r1", mid="sqs-1")])
     assert await backend.statuses() == {}
+    # A completed request is never given back, even by the delivery that completed it.
+    await a.claim([msg("r2", mid="sqs-3")])
+    await a.apply([msg("r2", mid="sqs-3")], ok)
+    await a.release([msg("r2", mid="sqs-3")])
+    assert await backend.statuses() == {"r2": ("COMPLETED", "w-a")}
 
 
 async def test_failure_is_isolated_counted_then_dead_lettered(backend: Backend) -> None:
@@ -287,10 +306,12 @@ async def test_dead_letters_are_idempotent_and_byte_exact(backend: Backend) -> N
 async def test_stop_releases_own_claims_and_marks_stopped(backend: Backend) -> None:
     a = await backend.store("w-a")
     b = await backend.store("w-b")
-    await a.claim([msg("r1"), msg("r2")])
+    await a.claim([msg("r1"), msg("r2"), msg("done")])
+    await a.apply([msg("done")], ok)
     await b.claim([msg("r3")])
     assert await a.stop_worker() == 2
-    assert await backend.statuses() == {"r3": ("IN_PROGRESS", "w-b")}
+    # Its completed request stays: only claims are released.
+    assert await backend.statuses() == {"r3": ("IN_PROGRESS", "w-b"), "done": ("COMPLETED", "w-a")}
     assert await a.heartbeat() is False  # stopped: its claims may be collected
 
 

@@ -238,8 +238,10 @@ async def test_gc_skips_a_claim_being_completed(database_url: str, pool: asyncpg
     await db.execute("UPDATE workers SET heartbeat_at = now() - interval '1 hour'"
                      " WHERE worker_id = 'w-slow'")
     # The owner looks dead, but its claim is locked by the completing transaction.
-    assert await asyncio.wait_for(gc_by.gc(lease_seconds=30), 10) == []
-    proceed.set()
+    try:
+        assert await asyncio.wait_for(gc_by.gc(lease_seconds=30), 10) == []
+    finally:
+        proceed.set()  # a failure must not leave the completion (and the pool) hanging
     res = await apply_task
     assert len(res.completed) == 1
     assert await db.fetchval("SELECT status FROM modifications WHERE request_id='r1'") == "COMPLETED"

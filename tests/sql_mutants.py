@@ -1,0 +1,220 @@
+"""Hand-written mutations of the named SQL in service/sql/queries.sql, and the pytest
+plugin that injects one: ``INGEST_TEST_SQL_MUTANT=<id> pytest -p tests.sql_mutants ...``.
+
+``service.sql.queries()`` is cached and every module keeps the same dict (``Q =
+queries()``), so the plugin edits that dict in place before any test runs: the file itself
+is never touched. Each mutant names its query, the exact text it replaces (which must occur
+once: a mutant that no longer applies fails the harness instead of passing unmutated) and
+the tests expected to kill it (tests/integration/test_sql_mutants.py runs them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from service.sql import queries
+
+STORE = "tests/integration/test_store.py"
+CONTRACT = "tests/contract/test_store_contract.py"
+PRUNE = "tests/integration/test_prune.py"
+COMPLETED_AT = "tests/integration/test_completed_at.py"
+RESULTS_CLAIM = "tests/integration/test_results_claim.py"
+
+#: The suites every mutant is run against in the full mode (``make sql-mutation``).
+FULL_SELECTION = [CONTRACT, STORE, PRUNE, COMPLETED_AT, RESULTS_CLAIM]
+
+
+@dataclass(frozen=True)
+class SqlMutant:
+    id: str
+    query: str
+    old: str
+    new: str
+    killers: tuple[str, ...]  # node ids (or files) expected to fail under this mutant
+
+    def apply(self, sql: str) -> str:
+        if sql.count(self.old) != 1:
+            raise AssertionError(f"mutant {self.id}: {self.old!r} occurs "
+                                 f"{sql.count(self.old)} times in query {self.query}")
+        return sql.replace(self.old, self.new)
+
+
+M = SqlMutant
+MUTANTS: list[SqlMutant] = [
+    # -- claim ----------------------------------------------------------------------------
+    M("claim_do_update", "claim", "ON CONFLICT (request_id) DO NOTHING",
+      "ON CONFLICT (request_id) DO UPDATE SET owner = EXCLUDED.owner",
+      ('tests/contract/test_store_contract.py::test_claim_duplicate_and_conflict[postgres]',)),
+    M("claim_no_dead_letter_guard", "claim",
+      "WHERE NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = input.sqs_message_id)",
+      "",
+      ('tests/integration/test_store.py::test_redelivered_dead_letter_is_not_claimed',)),
+    M("claim_hash_of_input", "claim", "m.status, m.request_type, m.payload_sha256, m.owner",
+      "m.status, m.request_type, i.payload_sha256, m.owner",
+      ('tests/contract/test_store_contract.py::test_claim_duplicate_and_conflict[postgres]',)),
+    M("claim_type_of_input", "claim", "m.status, m.request_type, m.payload_sha256, m.owner",
+      "m.status, i.request_type, m.payload_sha256, m.owner",
+      ('tests/contract/test_store_contract.py::test_claim_duplicate_and_conflict[postgres]',)),
+    M("claim_no_failures", "claim", "coalesce(r.failures, 0) AS failures", "0 AS failures",
+      ('tests/contract/test_store_contract.py::test_failure_is_isolated_counted_then_dead_lettered[postgres]',)),
+    M("claim_reversed_sort", "claim", "      FROM input\n",
+      "      FROM input ORDER BY request_id DESC\n",
+      ('tests/contract/test_store_contract.py::test_claim_duplicate_and_conflict[postgres]',)),
+    # -- fence ----------------------------------------------------------------------------
+    M("fence_no_owner", "fence", " AND owner = $2", "",
+      ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
+    M("fence_no_status", "fence", " AND status = 'IN_PROGRESS'", "",
+      ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
+    M("fence_no_for_update", "fence", "   FOR UPDATE", "",
+      ('tests/integration/test_store.py::test_gc_skips_a_claim_being_completed',)),
+    # -- complete -------------------------------------------------------------------------
+    M("complete_no_owner", "complete", " AND m.owner = $3", "",
+      ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
+    M("complete_now", "complete", "completed_at = statement_timestamp()", "completed_at = now()",
+      ('tests/integration/test_completed_at.py::test_completed_at_is_taken_after_the_handler',)),
+    M("complete_with_result_no_owner", "complete_with_result", " AND m.owner = $3", "",
+      ('tests/contract/test_store_contract.py::test_outbox_rows_come_with_the_outcome_only_when_results_are_on[postgres]',)),
+    M("complete_with_result_no_order", "complete_with_result", "     ORDER BY g.n", "",
+      ('tests/contract/test_store_contract.py::test_outbox_rows_come_with_the_outcome_only_when_results_are_on[postgres]', 'tests/contract/test_store_contract.py::test_publishers_never_hold_the_same_row_and_keep_a_group_in_order[postgres]')),
+    # -- release --------------------------------------------------------------------------
+    M("release_no_message_id", "release", " AND m.sqs_message_id = u.sqs_message_id", "",
+      ('tests/contract/test_store_contract.py::test_release_gives_back_only_this_delivery[postgres]',)),
+    M("release_no_owner", "release", "   AND m.owner = $2", "",
+      ('tests/contract/test_store_contract.py::test_release_gives_back_only_this_delivery[postgres]', 'tests/integration/test_store.py::test_release_only_touches_this_batch_claims')),
+    M("release_no_status", "release", " AND m.status = 'IN_PROGRESS'", "",
+      ('tests/contract/test_store_contract.py::test_release_gives_back_only_this_delivery[postgres]', 'tests/integration/test_store.py::test_release_only_touches_this_batch_claims')),
+    M("release_all_no_status", "release_all", " AND status = 'IN_PROGRESS'", "",
+      ('tests/contract/test_store_contract.py::test_stop_releases_own_claims_and_marks_stopped[postgres]',)),
+    # -- retry counts, dead letters -------------------------------------------------------
+    M("record_failures_reset", "record_failures", "SET failures = r.failures + 1",
+      "SET failures = 1",
+      ('tests/contract/test_store_contract.py::test_failure_is_isolated_counted_then_dead_lettered[postgres]',)),
+    M("dead_letter_do_update", "dead_letter", "ON CONFLICT (sqs_message_id) DO NOTHING",
+      "ON CONFLICT (sqs_message_id) DO UPDATE SET body = EXCLUDED.body, reason = EXCLUDED.reason",
+      ('tests/contract/test_store_contract.py::test_dead_letters_are_idempotent_and_byte_exact[postgres]',)),
+    M("dead_letter_with_result_reused", "dead_letter_with_result",
+      " AND ins.reason <> 'idempotency_key_reused'", "",
+      ('tests/contract/test_store_contract.py::test_outbox_rows_come_with_the_outcome_only_when_results_are_on[postgres]',)),
+    # -- GC -------------------------------------------------------------------------------
+    M("gc_lease_widened", "gc_orphans", "heartbeat_at < now() - make_interval(secs => $2)",
+      "heartbeat_at < now() + make_interval(secs => $2)",
+      ('tests/contract/test_store_contract.py::test_gc_releases_a_dead_owner_never_a_live_one[postgres]',)),
+    M("gc_no_lease", "gc_orphans", "OR heartbeat_at < now() - make_interval(secs => $2)", "",
+      ('tests/contract/test_store_contract.py::test_gc_releases_a_dead_owner_never_a_live_one[postgres]',)),
+    M("gc_no_skip_locked", "gc_orphans", "FOR UPDATE SKIP LOCKED", "FOR UPDATE",
+      ('tests/integration/test_store.py::test_gc_skips_a_claim_being_completed',)),
+    M("gc_no_incarnation_time", "gc_orphans", " AND started_at < $4", "",
+      ('tests/contract/test_store_contract.py::test_gc_of_an_earlier_incarnation_only_with_its_name[postgres]', 'tests/integration/test_store.py::test_startup_gc_releases_an_earlier_incarnation_of_the_same_name')),
+    M("gc_unknown_owner_kept", "gc_orphans",
+      "\n             OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = m.owner)", "",
+      ('tests/contract/test_store_contract.py::test_gc_releases_a_dead_owner_never_a_live_one[postgres]', 'tests/integration/test_store.py::test_gc_releases_dead_owner_but_never_a_live_one')),
+    M("gc_own_leaks_no_margin", "gc_own_leaks",
+      "\n   AND received_at < now() - interval '30 seconds'", "",
+      ('tests/integration/test_store.py::test_worker_lifecycle_heartbeat_stop_and_own_leaks',)),
+    M("gc_own_leaks_held_too", "gc_own_leaks", " AND NOT (request_id = ANY($2::text[]))", "",
+      ('tests/integration/test_store.py::test_worker_lifecycle_heartbeat_stop_and_own_leaks',)),
+    M("heartbeat_stopped_too", "heartbeat", " AND stopped_at IS NULL", "",
+      ('tests/integration/test_store.py::test_worker_lifecycle_heartbeat_stop_and_own_leaks',)),
+    # -- outbox ---------------------------------------------------------------------------
+    M("outbox_claim_no_skip_locked", "outbox_claim", "FOR UPDATE SKIP LOCKED", "FOR UPDATE",
+      ('tests/integration/test_results_claim.py::test_a_held_row_is_skipped_by_the_other_publisher', 'tests/contract/test_store_contract.py::test_publishers_never_hold_the_same_row_and_keep_a_group_in_order[postgres]')),
+    M("outbox_claim_published_too", "outbox_claim", "     WHERE published_at IS NULL\n",
+      "     WHERE true\n",
+      ('tests/contract/test_store_contract.py::test_publish_marks_only_what_the_destination_accepted[postgres]',)),
+    # -- retention ------------------------------------------------------------------------
+    M("prune_no_dead_letter_guard", "prune_modifications",
+      "AND (d.replayed_at IS NULL\n                               OR", "AND (false\n"
+      "                               OR",
+      ('tests/integration/test_prune.py::test_replayed_letter_of_an_old_request_is_still_a_duplicate',)),
+    M("prune_dead_letters_unreplayed_too", "prune_dead_letters",
+      "WHERE replayed_at < now()", "WHERE coalesce(replayed_at, '-infinity') < now()",
+      ('tests/integration/test_prune.py::test_only_what_is_past_its_retention_goes',)),
+    M("prune_workers_with_claims", "prune_workers",
+      "\n                        AND NOT EXISTS (SELECT 1 FROM modifications m\n"
+      "                                         WHERE m.owner = w.worker_id\n"
+      "                                           AND m.status = 'IN_PROGRESS')", "",
+      ('tests/integration/test_prune.py::test_only_what_is_past_its_retention_goes',)),
+]
+del M
+
+BY_ID = {m.id: m for m in MUTANTS}
+
+#: Mutations tried and set aside because no test can tell them apart from the original,
+#: with the reason (docs/mutation.md). Not run.
+EQUIVALENT: dict[str, str] = {
+    'fence_reversed_sort': (
+        'every statement that waits for row locks on modifications takes them in one order (the fence is the only multi-row locker that waits; GC and prune skip locked rows), so descending instead of ascending orders all the same way: no deadlock either way'),
+    'complete_no_status': (
+        'complete runs on the rows the fence locked in the same transaction, checked IN_PROGRESS; nothing can change their status in between (defence in depth)'),
+    'gc_completed_too': (
+        "the outer DELETE repeats status = 'IN_PROGRESS': dropping the inner one only makes GC lock, not delete, completed rows (SKIP LOCKED)"),
+    'prune_in_progress_too': (
+        "only COMPLETED rows have a completed_at, and the deleting CTE (gone) checks status = 'COMPLETED' again"),
+    'gc_not_self': (
+        "the dead-owner set already excludes $1 (worker_id <> $1) and a live worker's own row exists, so its claims are never selected without the owner test either (defence in depth)"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    chosen = os.environ.get("INGEST_TEST_SQL_MUTANT")
+    if chosen:
+        m = BY_ID[chosen]
+        q = queries()  # the very dict store/prune/dlq hold as Q
+        q[m.query] = m.apply(q[m.query])
+
+
+def run_mutant(m: SqlMutant | None, tests: list[str], pg_port: int, pg_user: str,
+               timeout: float = 900) -> tuple[bool, str, float]:
+    """Runs ``tests`` (stopping at the first failure) with mutant ``m`` injected (None: the
+    unmutated queries) on an already running server that holds the template database.
+    Returns (all passed, the first failing test or '', seconds)."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "INGEST_TEST_PG_PORT": str(pg_port), "INGEST_TEST_PG_USER": pg_user}
+    env.pop("INGEST_TEST_SQL_MUTANT", None)
+    if m is not None:
+        env["INGEST_TEST_SQL_MUTANT"] = m.id
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "tests.sql_mutants", "-p", "no:cacheprovider",
+             "-x", "-q", "-rf", "--timeout", "30", *tests],
+            env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # hung under the mutant (a lock never granted): killed
+        return False, "(timed out)", time.monotonic() - started
+    seconds = time.monotonic() - started
+    if proc.returncode not in (0, 1):  # 1: tests failed; anything else: the run itself broke
+        raise RuntimeError(f"pytest exit {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+    return proc.returncode == 0, (failed[0] if failed else ""), seconds
+
+
+def main() -> int:
+    """``python -m tests.sql_mutants [--full] [id ...]``: every (or the named) mutant against
+    its killers, or with --full against the whole FULL_SELECTION; prints one line each."""
+    import sys
+
+    from tests.pg_for import shared_postgres
+
+    args = sys.argv[1:]
+    full = "--full" in args
+    chosen = [BY_ID[a] for a in args if a != "--full"] or MUTANTS
+    with shared_postgres() as pg:
+        survived = 0
+        for m in chosen:
+            tests = FULL_SELECTION if full or not m.killers else list(m.killers)
+            passed, first, secs = run_mutant(m, tests, pg.port, pg.user)
+            survived += passed
+            print(f"{m.id:36} {'SURVIVED' if passed else 'killed  '} {secs:6.1f}s {first}",
+                  flush=True)
+    print(f"{len(chosen) - survived}/{len(chosen)} killed", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
