@@ -23,6 +23,7 @@ from tests.acceptance.harness import (
     check_invariants,
     completed_now,
     daemon_env,
+    queue_depth,
     send_all,
     upsert,
     wait_drained,
@@ -142,6 +143,21 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
     send_all(sqs_client, source, sent)
     d.wait_ready()
     kills: list[tuple[int, int, int]] = []  # (completed when the target was set, target, cap)
+    restarts: list[int] = []  # exit codes of the daemon restarted as an orchestrator would
+
+    def supervised(condition: Callable[[], bool]) -> Callable[[], bool]:
+        """``condition``, restarting a daemon that exited 3 (an ack failed after its commit:
+        exit on purpose, the orchestrator restarts it — SPEC §1). Under load a batch can
+        outlive its 5 s visibility, the message is received again and the old receipt's
+        delete fails; that is the contract at work, not a failure of this test."""
+        def check() -> bool:
+            if d.exited():
+                assert d.proc is not None and d.proc.returncode == 3, d.logs()
+                restarts.append(d.proc.returncode)
+                d.start()
+            return condition()
+        return check
+
     for i in range(6):
         if i == 3:
             sent = bodies
@@ -154,15 +170,16 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
         done = completed_now(database_url)
         target = min(done + rng.randrange(5, 30), cap)
         kills.append((done, target, cap))
-        wait_until(lambda t=target: completed_now(database_url) >= t, 120,
+        wait_until(supervised(lambda t=target: completed_now(database_url) >= t), 120,
                    "progress before kill")
         d.kill9()
         d.start()
-    wait_drained(sqs_client, source, [d], timeout=180)
+    drained = supervised(lambda: queue_depth(sqs_client, source) == 0)
+    wait_until(drained, 180, "queue drained", interval=0.3)
     # Reused keys only once their first use is committed: sent earlier, a reuse may beat
     # its original to the claim (it then wins, and the original is the conflict).
     send_all(sqs_client, source, w.reuse(sorted(w.valid)[:8]))
-    wait_drained(sqs_client, source, [d], timeout=60)
+    wait_until(drained, 60, "queue drained", interval=0.3)
     await wait_published(database_url, timeout=90)
     d.stop()
     await check_invariants(database_url, w, sqs_client, source)
@@ -182,7 +199,8 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
     some = sorted(w.valid)[0]
     assert by_id[(some, "COMPLETED")]["reason"] is None
     assert by_id[(some, "COMPLETED")]["type"] == w.valid[some][0]
-    print(f"kills=6 (completed, target, cap)={kills} results={len(docs)} "
+    print(f"kills=6 (completed, target, cap)={kills} restarts after exit 3={len(restarts)} "
+          f"results={len(docs)} "
           f"completed={len(w.valid)} failed={len(keyed_poison(w))}")
 
 
