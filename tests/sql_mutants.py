@@ -109,7 +109,7 @@ MUTANTS: list[SqlMutant] = [
       ('tests/contract/test_store_contract.py::test_gc_of_an_earlier_incarnation_only_with_its_name[postgres]', 'tests/integration/test_store.py::test_startup_gc_releases_an_earlier_incarnation_of_the_same_name')),
     M("gc_unknown_owner_kept", "gc_orphans",
       "\n             OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.worker_id = m.owner)", "",
-      ('tests/contract/test_store_contract.py::test_gc_releases_a_dead_owner_never_a_live_one[postgres]', 'tests/integration/test_store.py::test_gc_releases_dead_owner_but_never_a_live_one')),
+      ('tests/integration/test_store.py::test_gc_releases_a_claim_whose_owner_has_no_worker_row',)),
     M("gc_own_leaks_no_margin", "gc_own_leaks",
       "\n   AND received_at < now() - interval '30 seconds'", "",
       ('tests/integration/test_store.py::test_worker_lifecycle_heartbeat_stop_and_own_leaks',)),

@@ -731,3 +731,15 @@ async def test_driver_errors_leave_the_store_as_service_errors(
         assert isinstance(failed.value.__cause__, asyncpg.UndefinedTableError)
     finally:
         await db.execute("ALTER TABLE workers_gone RENAME TO workers")
+
+
+async def test_gc_releases_a_claim_whose_owner_has_no_worker_row(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """An owner nobody registered (or whose row is gone) cannot heartbeat: its claim is an
+    orphan however fresh, and GC releases it."""
+    ghost = Store(pool, "w-ghost")  # never registered
+    gc_by = await registered(pool, "w-gc")
+    await ghost.claim([msg("haunted")])
+    released = await gc_by.gc(lease_seconds=30)
+    assert [(r["request_id"], r["owner"]) for r in released] == [("haunted", "w-ghost")]
