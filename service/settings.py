@@ -33,10 +33,11 @@ SQS_MAX_VISIBILITY = 43_200
 #: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
 #: retention, must stay a timestamp (and ``inf`` is no interval). A century.
 MAX_RETENTION_DAYS = 36_500
-#: INGEST_MAX_INFLIGHT_BYTES: bodies + S3 payloads in flight. Measured (bench/payload_memory.py,
-#: BENCHMARKS.md "Memory budget"): up to ~11x their raw size in RSS once parsed, so 24 MiB
-#: keeps the daemon near 24 x 11 + ~90 MiB idle, inside the 512 Mi of deploy/k8s.
-DEFAULT_MAX_INFLIGHT_BYTES = 24 * 1024 * 1024
+#: INGEST_MAX_INFLIGHT_BYTES: bodies + S3 payloads in flight. Measured end to end
+#: (BENCHMARKS.md "Memory budget", 40 x 6 MiB pointers of small JSON records): a peak of
+#: 641 MiB at a 24 MiB budget and 551 MiB at 16 MiB, over the 512 Mi of deploy/k8s; the
+#: default is the smallest budget that still holds one INGEST_MAX_PAYLOAD_BYTES payload.
+DEFAULT_MAX_INFLIGHT_BYTES = 10 * 1024 * 1024
 
 
 class Settings(BaseSettings):
