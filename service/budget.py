@@ -77,6 +77,13 @@ class MemoryBudget:
     def give_all(self, owner: object) -> None:
         self.give(self._held[owner], owner)
 
+    def charge(self, n: int, owner: object) -> None:
+        """Count ``n`` bytes that are already in memory (a receive that brought more than the
+        room its poll took), over the limit if need be: the next polls wait until they are
+        given back."""
+        if n > 0:
+            self._take(n, owner)
+
     def move(self, n: int, src: object, dst: object) -> None:
         """Hand ``n`` of ``src``'s bytes to ``dst`` (a poll's bytes to its batch)."""
         n = min(n, self._held[src])

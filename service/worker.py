@@ -59,10 +59,14 @@ class Worker:
     ) -> None:
         self.s = settings
         # INGEST_MAX_INFLIGHT_BYTES: bodies and S3 payloads of the messages in flight. A
-        # poll takes room for a full receive (ten of the queue's largest messages) before
-        # it asks, keeps what the messages it got hold, and gives the rest back.
+        # poll takes room before it asks — a full receive (ten of the queue's largest
+        # messages), or its share of the budget if that is less, so that INGEST_POLLERS
+        # polls fit side by side (ten 1 MiB messages would otherwise take the whole default
+        # budget and serialise the pollers) — keeps what the messages it got hold, gives the
+        # rest back, and is charged what they take beyond its room (``MemoryBudget.charge``).
         self.budget = MemoryBudget(settings.max_inflight_bytes)
-        self.receive_reserve = min(10 * max_message_bytes, settings.max_inflight_bytes)
+        self.receive_reserve = max(1, min(10 * max_message_bytes,
+                                          settings.max_inflight_bytes // settings.pollers))
         if payloads is not None:
             payloads.budget = self.budget
         metrics.inflight_bytes.set_function(lambda: self.budget.used)
@@ -262,8 +266,10 @@ class Worker:
             backoff.reset()
             # The batch keeps the bytes its bodies take; the rest of the room goes back.
             owner = object()
-            self.budget.move(sum(len(m.body) for m in batch), poll, owner)
+            size, room = sum(len(m.body) for m in batch), self.budget.holds(poll)
+            self.budget.move(size, poll, owner)
             self.budget.give_all(poll)
+            self.budget.charge(size - room, owner)
             if not await self._dispatch(batch, owner):
                 break
 

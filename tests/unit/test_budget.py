@@ -115,3 +115,44 @@ async def test_receiving_waits_while_the_budget_is_full() -> None:
         assert await asyncio.wait_for(task, 20) == 0
 
 
+
+
+def test_the_default_budget_lets_every_poller_receive_at_once() -> None:
+    """Ten 1 MiB messages are 10 MiB, the whole default budget: a poll taking room for a full
+    receive would let only one of INGEST_POLLERS ask at a time (found by the SIGTERM chaos
+    test: four pollers never got into their long polls). Each poll takes its share."""
+    s = load_settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d")
+    w = Worker(s, FakeQueue(), FakeStore(), note_registry(), visibility_timeout=30,
+               max_message_bytes=1024 * 1024)
+    owners = [object() for _ in range(s.pollers)]
+    assert all(w.budget.try_take(w.receive_reserve, o) for o in owners)
+
+
+async def test_a_receive_beyond_its_room_is_charged_to_its_batch() -> None:
+    """A poll's room is its share of the budget; messages that take more are counted all the
+    same (over the limit if need be), so the next polls wait until the batch gives them back."""
+    queue = FakeQueue()
+    release = asyncio.Event()
+
+    class Slow(FakeStore):
+        async def claim(self, messages):  # type: ignore[no-untyped-def]
+            await release.wait()
+            return await super().claim(messages)
+
+    store = Slow()
+    w = Worker(settings(pollers=2, max_payload_bytes=4096, max_inflight_bytes=8192),
+               queue, store, note_registry(), visibility_timeout=30, rng=lambda: 0.0)
+    assert w.receive_reserve == 4096
+    body = doc("big")[:-2] + b', "pad": "' + b"x" * 6000 + b'"}}'
+    queue.send(body.decode())
+    task = asyncio.create_task(w.run())
+    try:
+        await until(lambda: w.budget.used >= len(body), "the whole body counted")
+        release.set()
+        await until(lambda: "big" in store.rows and store.rows["big"].status == "COMPLETED",
+                    "applied")
+    finally:
+        release.set()
+        w.request_stop()
+        assert await asyncio.wait_for(task, 20) == 0
+    assert w.budget.used == 0
