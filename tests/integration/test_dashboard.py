@@ -153,11 +153,6 @@ def reconcile_registry() -> Any:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.investigation  # open finding (README Known issues), not in make test
-@pytest.mark.xfail(strict=False, reason=(
-    "failed in a full-suite run this session (CI rehearsal at a23dcc1) and once more alone: "
-    "duplicate outcomes 12 where the workload makes 11 - one extra redelivery resolved as "
-    "a duplicate (nothing applied twice); cause not yet read"))
 def test_every_panel_query_returns_real_data(
     tmp_path: Path, database_url: str, queue_url: str, sqs_endpoint: str, sqs_client: Any,
 ) -> None:
