@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from pydantic import BaseModel
+from structlog.testing import capture_logs
 
 from service import metrics
 from service.handlers import Registry, current_attributes
@@ -519,19 +520,22 @@ async def test_a_pointer_outside_the_allow_list_is_dead_lettered_unread(
 
 
 async def test_unset_allow_list_reads_no_pointer_and_names_the_variable(
-    rig_factory: Any, capsys: pytest.CaptureFixture[str],
+    rig_factory: Any,
 ) -> None:
     rig = await rig_factory(allowed="")
     rig.s3.put("k1", doc("r1"))
     body = pointer_body("k1")
-    mids = [rig.queue.send(body), rig.queue.send(body)]
-    rig.queue.send(doc("inline").decode())
-    await until(lambda: not rig.queue.messages, "drained")
+    with capture_logs() as logs:  # the events themselves, wherever logging is configured
+        mids = [rig.queue.send(body), rig.queue.send(body)]
+        rig.queue.send(doc("inline").decode())
+        await until(lambda: not rig.queue.messages, "drained")
     assert {k: (d.reason, d.body) for k, d in rig.store.dead.items()} == {
         m: ("payload_bucket_not_allowed", body) for m in mids}
     assert "INGEST_S3_BUCKETS is not set" in rig.store.dead[mids[0]].error
     assert rig.s3.calls == [] and set(rig.store.rows) == {"inline"}
-    assert capsys.readouterr().out.count("s3_pointers_not_read") == 1  # one line, not one each
+    not_read = [e for e in logs if e["event"] == "s3_pointers_not_read"]
+    assert len(not_read) == 1, logs  # one line, not one per pointer
+    assert not_read[0]["log_level"] == "warning" and "INGEST_S3_BUCKETS" in str(not_read[0])
 
 
 async def test_expected_bucket_owner_goes_with_every_s3_call(rig_factory: Any) -> None:
