@@ -293,9 +293,11 @@ async def test_two_replicas_never_send_a_result_twice(
     env = daemon_env(database_url, source, sqs_endpoint, INGEST_RESULTS_QUEUE_URL=dest)
     a = spawn({**env, "INGEST_WORKER_NAME": "a"}, "a")
     b = spawn({**env, "INGEST_WORKER_NAME": "b"}, "b")
-    send_all(sqs_client, source, [upsert(f"r{i}", f"e{i % 30}", i + 1) for i in range(400)])
+    # Both ready before the first message: on a loaded machine one replica could otherwise
+    # drain and publish everything before the other has started (no race to check).
     a.wait_ready()
     b.wait_ready()
+    send_all(sqs_client, source, [upsert(f"r{i}", f"e{i % 30}", i + 1) for i in range(400)])
     wait_drained(sqs_client, source, [a, b])
     await wait_published(database_url)
     published = {x.name: x.metric("sqs_ingest_results_published_total") for x in (a, b)}
