@@ -22,7 +22,12 @@ fi
 echo "localstack-venv: creating $VENV (localstack-core $VERSION) with $("$py" --version 2>&1)"
 rm -rf "$VENV"
 "$py" -m venv "$VENV" || { apt-get install -y -qq python3-venv >/dev/null && "$py" -m venv "$VENV"; }
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
+LOCK=requirements/localstack.txt  # the tests' LocalStack, hashed (make lock): same every time
+if [ "$VERSION" = "$(sed -n 's/^localstack-core\[runtime\]==//p' requirements/localstack.in)" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --require-hashes -r "$LOCK"
+else  # another release (make bench: 2026.3.0 on Python 3.13): resolved here, not locked
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
+fi
 # Importing the components is what fails on an interpreter too old for this release.
 "$VENV/bin/python" -c 'import localstack.runtime.main, localstack.aws.components'
 echo "$VERSION" > "$VENV/.localstack-version"

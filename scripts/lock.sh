@@ -34,4 +34,8 @@ compile runtime.txt -c requirements/dev.txt
 compile run.txt --extra emulator -c requirements/dev.txt
 compile otel.txt --extra otel -c requirements/dev.txt
 compile reconcile.txt --extra reconcile -c requirements/dev.txt
+# The tests' LocalStack venv (scripts/localstack-venv.sh): its own resolution (its own botocore).
+.venv-lock/bin/uv pip compile -q --generate-hashes --python-version 3.11 \
+  --python-platform x86_64-manylinux_2_36 --no-header --custom-compile-command "make lock" \
+  ${LOCK_UPGRADE:+--upgrade} requirements/localstack.in -o requirements/localstack.txt
 echo "requirements/*.txt locked ($(grep -c '^[a-z0-9]' requirements/dev.txt) packages in dev.txt)"

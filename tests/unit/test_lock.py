@@ -11,6 +11,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 REQ = ROOT / "requirements"
 LOCKS = ("dev.txt", "runtime.txt", "run.txt", "otel.txt", "reconcile.txt")
@@ -97,3 +99,22 @@ def test_image_apt_packages_are_pinned() -> None:
     for cmd in re.findall(r"apt-get install ([^&\n]*)", docker):
         packages = [w for w in cmd.split() if not w.startswith("-")]
         assert packages and all("=" in p for p in packages), cmd
+
+
+def test_localstack_venv_is_exactly_its_lock() -> None:
+    """The tests' LocalStack (scripts/localstack-venv.sh) is installed from its own hashed
+    lock, requirements/localstack.txt, so every CI run meets the same emulator."""
+    locked = pins(REQ / "localstack.txt")
+    assert locked["localstack-core"] == re.search(  # type: ignore[union-attr]
+        r"localstack-core\[runtime\]==(\S+)", (REQ / "localstack.in").read_text()).group(1)
+    python = ROOT / ".venv-localstack" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(".venv-localstack not built (make install builds it)")
+    freeze = subprocess.run([str(python), "-m", "pip", "freeze", "--all"],
+                            capture_output=True, text=True, check=True)
+    installed = {norm(m.group(1)): m.group(2) for m in
+                 re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$", freeze.stdout, re.M)}
+    for name in INSTALLERS:
+        installed.pop(name, None)
+        locked.pop(name, None)
+    assert installed == locked
