@@ -138,6 +138,26 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
                 p.terminate()
 
 
+def _visibility_timeout(settings: Settings, attrs: dict[str, str]) -> int:
+    vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
+    if vt < 2:
+        # A zero timeout hides nothing and would make the heartbeat spin.
+        log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
+        vt = 30
+    return vt
+
+
+async def _named(settings: Settings) -> Settings:
+    if not settings.worker_name:
+        # On ECS: the task and container (unique, kept by an in-place restart), so a
+        # restart releases its previous incarnation's claims at once (service.identity).
+        ecs_name = await asyncio.to_thread(ecs_worker_name)
+        if ecs_name:
+            settings = settings.model_copy(update={"worker_name": ecs_name})
+            log.info("worker_name_from_ecs_metadata", worker_name=ecs_name)
+    return settings
+
+
 async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
     session = get_session()  # one credentials chain for SQS and S3
     async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
@@ -153,19 +173,8 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                 check_retention(settings, queue_retention(attrs))
             except RetentionRefused as exc:
                 return diagnose.report(diagnose.Diagnosis(str(exc), diagnose.EXIT_CONFIG))
-        vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
-        if vt < 2:
-            # A zero timeout hides nothing and would make the heartbeat spin.
-            log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
-            vt = 30
-        if not settings.worker_name:
-            # On ECS: the task and container (unique, kept by an in-place restart), so a
-            # restart releases its previous incarnation's claims at once (service.identity).
-            ecs_name = await asyncio.to_thread(ecs_worker_name)
-            if ecs_name:
-                settings = settings.model_copy(update={"worker_name": ecs_name})
-                log.info("worker_name_from_ecs_metadata", worker_name=ecs_name)
-        named = settings
+        vt = _visibility_timeout(settings, attrs)
+        settings = named = await _named(settings)
         await _retry("database", lambda: store.register_worker(named.effective_worker_name),
                      state.stop)
         async with contextlib.AsyncExitStack() as stack:

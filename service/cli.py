@@ -104,31 +104,42 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(settings.log_format, settings.log_level, trace_ids=settings.tracing)
     if args.command == "run":
-        from service import app, diagnose
-        from service.handlers import load_handler_modules
+        return _run(settings)
+    return _command(settings, args)
 
-        try:
-            load_handler_modules(settings.handler_modules)
-        except Exception as exc:  # any import-time failure of user code is a config error
-            print(safe(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
-                       f"{type(exc).__name__}: {exc} (install the module, or add its "
-                       f"directory to PYTHONPATH)"), file=sys.stderr)
-            return EXIT_CONFIG
-        if not settings.tracing:
-            return diagnose.guard(settings, lambda: _run_async(
-                app.run(settings, early_signals=_early_signals)))
-        from service import __version__, tracing
 
-        try:
-            tracing.setup(settings.queue_url, __version__)
-        except ImportError as exc:
-            print(f"sqs-ingest: configuration error: INGEST_TRACING: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
-        try:
-            return diagnose.guard(settings, lambda: _run_async(
-                app.run(settings, early_signals=_early_signals)))
-        finally:
-            tracing.shutdown()  # flush the last spans
+def _run(settings: Settings) -> int:
+    """The daemon: the handler modules imported, tracing set up if asked, app.run."""
+    from service import app, diagnose
+    from service.handlers import load_handler_modules
+    from service.secrets import safe
+
+    try:
+        load_handler_modules(settings.handler_modules)
+    except Exception as exc:  # any import-time failure of user code is a config error
+        print(safe(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
+                   f"{type(exc).__name__}: {exc} (install the module, or add its "
+                   f"directory to PYTHONPATH)"), file=sys.stderr)
+        return EXIT_CONFIG
+    if not settings.tracing:
+        return diagnose.guard(settings, lambda: _run_async(
+            app.run(settings, early_signals=_early_signals)))
+    from service import __version__, tracing
+
+    try:
+        tracing.setup(settings.queue_url, __version__)
+    except ImportError as exc:
+        print(f"sqs-ingest: configuration error: INGEST_TRACING: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        return diagnose.guard(settings, lambda: _run_async(
+            app.run(settings, early_signals=_early_signals)))
+    finally:
+        tracing.shutdown()  # flush the last spans
+
+
+def _command(settings: Settings, args: argparse.Namespace) -> int:
+    """Every command but run and reconcile."""
     if args.command == "migrate":
         return _run_async(_migrate(settings))
     if args.command == "gc":

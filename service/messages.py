@@ -75,6 +75,38 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
     """Validate one body — or, for a body that points to S3, the payload ``fetched`` from
     there (a Poison still carries the pointer body). Every way a body can be wrong is a
     Poison with a reason."""
+    read = _document(raw, fetched)
+    if isinstance(read, Poison):
+        return read
+    doc, envelope = read
+    fields = _fields(raw, doc)
+    if isinstance(fields, Poison):
+        return fields
+    request_id, mtype, payload, sent_at = fields
+    canonical = _canonical(raw, payload, request_id, mtype)
+    if isinstance(canonical, Poison):
+        return canonical
+    spec = registry.get(mtype)
+    if spec is None:
+        return Poison(raw, "unknown_type", f"no handler for type {mtype!r}", request_id, mtype)
+    try:
+        model = spec.model.model_validate(payload)
+    except ValidationError as exc:
+        return Poison(raw, "invalid_payload", _short(exc), request_id, mtype)
+    m = Message(raw, request_id, mtype, model, payload, hashlib.sha256(canonical).hexdigest(),
+                sent_at)
+    if raw.message_attributes or envelope is not None:
+        m.attributes = attributes.collect(
+            raw.message_attributes,
+            envelope.get("MessageAttributes") if isinstance(envelope, dict) else None)
+        m.attributes_json = attributes.encode(m.attributes)
+    if fetched is not None:
+        m.pointer = fetched.pointer
+    return m
+
+
+def _document(raw: Received, fetched: Fetched | None) -> tuple[Any, Any] | Poison:
+    """(the decoded document, its envelope: the pointer's or the SNS notification's)."""
     envelope: Any = None
     if fetched is not None:
         envelope = fetched.pointer.envelope
@@ -97,6 +129,13 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
             doc = orjson.loads(inner)
         except orjson.JSONDecodeError as exc:
             return Poison(raw, "invalid_json", f"SNS Message: {exc}")
+    return doc, envelope
+
+
+def _fields(
+    raw: Received, doc: Any,
+) -> tuple[str, str, dict[str, Any], datetime | None] | Poison:
+    """(request_id, type, payload, sent_at) of a decoded document."""
     if not isinstance(doc, dict):
         kind = type(doc).__name__
         return Poison(raw, "invalid_envelope", f"body is a JSON {kind}, not an object")
@@ -124,6 +163,12 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
         return Poison(raw, "type_too_long",
                       f"type has {len(mtype)} characters, at most {TYPE_MAX_CHARS} are accepted",
                       request_id)
+    return request_id, mtype, payload, sent_at
+
+
+def _canonical(raw: Received, payload: dict[str, Any], request_id: str,
+               mtype: str) -> bytes | Poison:
+    """The payload's key-sorted JSON (its hash is the payload_sha256), if it can be stored."""
     try:
         canonical = canonical_json(payload)
     except orjson.JSONEncodeError as exc:
@@ -135,23 +180,7 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
         # PostgreSQL's jsonb cannot store U+0000: it would fail the whole batch's claim.
         return Poison(raw, "invalid_payload", "payload contains a NUL character (\\u0000)",
                       request_id, mtype)
-    spec = registry.get(mtype)
-    if spec is None:
-        return Poison(raw, "unknown_type", f"no handler for type {mtype!r}", request_id, mtype)
-    try:
-        model = spec.model.model_validate(payload)
-    except ValidationError as exc:
-        return Poison(raw, "invalid_payload", _short(exc), request_id, mtype)
-    m = Message(raw, request_id, mtype, model, payload, hashlib.sha256(canonical).hexdigest(),
-                sent_at)
-    if raw.message_attributes or envelope is not None:
-        m.attributes = attributes.collect(
-            raw.message_attributes,
-            envelope.get("MessageAttributes") if isinstance(envelope, dict) else None)
-        m.attributes_json = attributes.encode(m.attributes)
-    if fetched is not None:
-        m.pointer = fetched.pointer
-    return m
+    return canonical
 
 
 def _short(exc: ValidationError) -> str:

@@ -125,34 +125,8 @@ class S3Payloads:
             self._open(p) if isinstance(p, Pointer) else _same(p) for p in found.values()))
         items = list(zip(found, found.values(), opened, strict=True))
         out: dict[str, Resolution | Later] = {}
-        to_read: list[tuple[str, Pointer, _Opened]] = []
         budget = self.budget if owner is not None else None
-        for i, (mid, p, o) in enumerate(items):
-            if not isinstance(o, _Opened):
-                out[mid] = o
-                continue
-            assert isinstance(p, Pointer)
-            if budget is None or budget.try_take(o.size, owner, urgent=True):
-                to_read.append((mid, p, o))
-                continue
-            if to_read:  # holding payload bytes of this round: never wait for more
-                o.body.close()  # read in a later round, after this one's commit
-                out[mid] = LATER
-                continue
-            # Holding none: wait for room for this one; the rest waits for a later round.
-            for mid2, _, other in items[i + 1:]:
-                if isinstance(other, _Opened):
-                    other.body.close()
-                    out[mid2] = LATER
-                else:
-                    out[mid2] = other
-            try:
-                await budget.take(o.size, owner, urgent=True)
-            except BaseException:
-                o.body.close()
-                raise
-            to_read.append((mid, p, o))
-            break
+        to_read = await _admit(items, budget, owner, out)
         read = await asyncio.gather(*(self._read(p, o.body, o.size) for _, p, o in to_read))
         for (mid, _, o), res in zip(to_read, read, strict=True):
             out[mid] = res
@@ -233,6 +207,42 @@ class S3Payloads:
                 log.warning("s3_delete_failed", uri=p.uri, error=_describe(res))
             else:
                 metrics.s3_deletes.labels("deleted").inc()
+
+
+async def _admit(
+    items: list[tuple[str, Pointer | Refused, _Opened | Refused | Unreachable]],
+    budget: MemoryBudget | None, owner: object | None, out: dict[str, Resolution | Later],
+) -> list[tuple[str, Pointer, _Opened]]:
+    """The opened payloads to read in this round; what cannot be read is put in out (its
+    refusal, or LATER when the memory budget has no room for it now)."""
+    to_read: list[tuple[str, Pointer, _Opened]] = []
+    for i, (mid, p, o) in enumerate(items):
+        if not isinstance(o, _Opened):
+            out[mid] = o
+            continue
+        assert isinstance(p, Pointer)
+        if budget is None or budget.try_take(o.size, owner, urgent=True):
+            to_read.append((mid, p, o))
+            continue
+        if to_read:  # holding payload bytes of this round: never wait for more
+            o.body.close()  # read in a later round, after this one's commit
+            out[mid] = LATER
+            continue
+        # Holding none: wait for room for this one; the rest waits for a later round.
+        for mid2, _, other in items[i + 1:]:
+            if isinstance(other, _Opened):
+                other.body.close()
+                out[mid2] = LATER
+            else:
+                out[mid2] = other
+        try:
+            await budget.take(o.size, owner, urgent=True)
+        except BaseException:
+            o.body.close()
+            raise
+        to_read.append((mid, p, o))
+        break
+    return to_read
 
 
 async def _same(r: Refused) -> Refused:

@@ -146,37 +146,45 @@ def classify(
             # FIFO: an earlier message of its group is claimed (IN_PROGRESS) by some owner,
             # dead or alive — wait for it as for a contended claim; the broker's group lock
             # is not relied on (SPEC §6 "FIFO order").
-            delay = policy.contention()
+            delay = _contend(out.plan, m, policy, group, blocked_groups)
             log.info("fifo_group_held", message_id=m.raw.message_id, request_id=m.request_id,
                      group=m.raw.group_id, retry_in=delay)
-            out.plan.defer(m.raw, delay)
-            out.plan.contention += 1
-            if group is not None:
-                blocked_groups[group] = delay
         elif c.claimed:
             # A new value with the claim's failure count: the parsed message stays as parsed.
             out.to_apply.append(m if m.failures == c.failures else replace(m, failures=c.failures))
         elif c.status is not None and (
             c.payload_sha256 != m.payload_sha256 or c.request_type != m.type
         ):
-            log.warning("idempotency_key_reused", message_id=m.raw.message_id,
-                        request_id=m.request_id)
-            out.plan.letter(m.raw, DeadLetter.of_message(
-                m, "idempotency_key_reused",
-                f"request_id already used with payload_sha256={c.payload_sha256} "
-                f"type={c.request_type}",
-            ), m.type)
+            _key_reused(out.plan, m, c)
         elif c.status == "COMPLETED":
             out.plan.ack(m.raw, m.type, "duplicate")
         else:
             # IN_PROGRESS under another owner (or committed after our snapshot): come back
             # after it finished. Not a failure: does not count towards the limit.
-            delay = policy.contention()
-            out.plan.defer(m.raw, delay)
-            out.plan.contention += 1
-            if group is not None:
-                blocked_groups[group] = delay
+            _contend(out.plan, m, policy, group, blocked_groups)
     return out
+
+
+def _contend(plan: Plan, m: Message, policy: RetryPolicy, group: str | None,
+             blocked_groups: dict[str, int]) -> int:
+    """Hand a contended message back for the contention delay (no failure counted); on a
+    FIFO queue its group waits as long behind it. Returns the delay."""
+    delay = policy.contention()
+    plan.defer(m.raw, delay)
+    plan.contention += 1
+    if group is not None:
+        blocked_groups[group] = delay
+    return delay
+
+
+def _key_reused(plan: Plan, m: Message, c: ClaimResult) -> None:
+    log.warning("idempotency_key_reused", message_id=m.raw.message_id,
+                request_id=m.request_id)
+    plan.letter(m.raw, DeadLetter.of_message(
+        m, "idempotency_key_reused",
+        f"request_id already used with payload_sha256={c.payload_sha256} "
+        f"type={c.request_type}",
+    ), m.type)
 
 
 def hold_behind(

@@ -28,16 +28,8 @@ async def resolve_batch(
     if not resolved:
         return part, {}, None, []
     fetched = {k: r for k, r in resolved.items() if isinstance(r, Fetched)}
-    later_ids = {k for k, r in resolved.items() if isinstance(r, Later)}
-    if later_ids:
-        # FIFO: what follows a message left for later in its group waits for it too.
-        waiting: set[str] = set()
-        for m in part:
-            if m.message_id in later_ids:
-                if fifo and m.group_id is not None:
-                    waiting.add(m.group_id)
-            elif fifo and m.group_id is not None and m.group_id in waiting:
-                later_ids.add(m.message_id)
+    later_ids = _later_ids(part, {k for k, r in resolved.items() if isinstance(r, Later)},
+                           fifo)
     later = [m for m in part if m.message_id in later_ids]
     if later:
         part = [m for m in part if m.message_id not in later_ids]
@@ -58,7 +50,27 @@ async def resolve_batch(
     refused_for = await store.note_refusals(refusals) if refusals else {}
     plan = plan_unresolved(failed, await store.known_pointers(missing) if missing else {},
                            policy, refused_for, payloads.unreadable_after)
-    decided = {m.message_id for m, _ in failed}
+    rest = _behind_decided(part, {m.message_id for m, _ in failed}, plan, fifo)
+    return rest, fetched, plan, later
+
+
+def _later_ids(part: list[Received], later_ids: set[str], fifo: bool) -> set[str]:
+    """FIFO: what follows a message left for later in its group waits for it too."""
+    if later_ids:
+        waiting: set[str] = set()
+        for m in part:
+            if m.message_id in later_ids:
+                if fifo and m.group_id is not None:
+                    waiting.add(m.group_id)
+            elif fifo and m.group_id is not None and m.group_id in waiting:
+                later_ids.add(m.message_id)
+    return later_ids
+
+
+def _behind_decided(part: list[Received], decided: set[str], plan: Plan,
+                    fifo: bool) -> list[Received]:
+    """The messages of part left to parse: not decided by plan, and (FIFO) not behind a
+    message of their group handed back by it (those are handed back too, at once)."""
     back = {m.message_id for m, _ in plan.deferrals}
     held: set[str] = set()
     rest = []
@@ -70,4 +82,4 @@ async def resolve_batch(
             plan.defer(m, 0)  # behind a message of its group handed back above
         else:
             rest.append(m)
-    return rest, fetched, plan, later
+    return rest

@@ -117,23 +117,7 @@ def _from_url(rest: str) -> Dsn:
         user, pw = unquote(user), unquote(password) if colon else None
         path, query = strict.path, strict.query
     else:
-        # A generated password written raw ("#", "/", "?", ":" unencoded), in the userinfo
-        # or in ?password=: the userinfo ends at the last "@" before that query parameter,
-        # the query starts at the first "?" after it; both are taken as written.
-        cut = min((i for i in (rest.find("?password="), rest.find("&password=")) if i >= 0),
-                  default=len(rest))
-        at = rest.rfind("@", 0, cut)
-        userinfo = rest[:at] if at >= 0 else ""
-        user, colon, password = userinfo.partition(":")
-        pw = password if colon else None
-        if any(c in user for c in "/?#&="):  # that "@" was in the path or the query
-            raise DsnError("cannot be parsed (percent-encode '@' in the path or query)")
-        after = rest[at + 1:]
-        hostpath, _, query = after.partition("?")
-        hostpart, slash, path = hostpath.partition("/")
-        path = slash + path
-        if "@" in hostpath or "#" in hostpath:
-            raise DsnError("cannot be parsed")
+        user, pw, hostpart, path, query = _split_raw(rest)
     if well_formed:
         params = parse_qsl(query.replace("+", "%2B"), keep_blank_values=True)
     else:
@@ -158,6 +142,27 @@ def _from_url(rest: str) -> Dsn:
     if not hostpart and not any(k == "host" for k, _ in keep):
         raise DsnError("needs a host")
     return Dsn(user, pw, hostpart, database, tuple(keep))
+
+
+def _split_raw(rest: str) -> tuple[str, str | None, str, str, str]:
+    """(user, password, hosts, path, query) of a URL with a generated password written raw
+    ("#", "/", "?", ":" unencoded), in the userinfo or in ?password=: the userinfo ends at
+    the last "@" before that query parameter, the query starts at the first "?" after it;
+    both are taken as written."""
+    cut = min((i for i in (rest.find("?password="), rest.find("&password=")) if i >= 0),
+              default=len(rest))
+    at = rest.rfind("@", 0, cut)
+    userinfo = rest[:at] if at >= 0 else ""
+    user, colon, password = userinfo.partition(":")
+    pw = password if colon else None
+    if any(c in user for c in "/?#&="):  # that "@" was in the path or the query
+        raise DsnError("cannot be parsed (percent-encode '@' in the path or query)")
+    after = rest[at + 1:]
+    hostpath, _, query = after.partition("?")
+    hostpart, slash, path = hostpath.partition("/")
+    if "@" in hostpath or "#" in hostpath:
+        raise DsnError("cannot be parsed")
+    return user, pw, hostpart, slash + path, query
 
 
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._%-]+)(:[0-9]{1,5})?")

@@ -58,18 +58,7 @@ class Worker:
         max_message_bytes: int = 256 * 1024,
     ) -> None:
         self.s = settings
-        # INGEST_MAX_INFLIGHT_BYTES: bodies and S3 payloads of the messages in flight. A
-        # poll takes room before it asks — a full receive (ten of the queue's largest
-        # messages), or its share of the budget if that is less, so that INGEST_POLLERS
-        # polls fit side by side (ten 1 MiB messages would otherwise take the whole default
-        # budget and serialise the pollers) — keeps what the messages it got hold, gives the
-        # rest back, and is charged what they take beyond its room (``MemoryBudget.charge``).
-        self.budget = MemoryBudget(settings.max_inflight_bytes)
-        self.receive_reserve = max(1, min(10 * max_message_bytes,
-                                          settings.max_inflight_bytes // settings.pollers))
-        if payloads is not None:
-            payloads.budget = self.budget
-        metrics.inflight_bytes.set_function(lambda: self.budget.used)
+        self.budget, self.receive_reserve = _budget(settings, max_message_bytes, payloads)
         self.queue = queue
         self.store = store
         self.registry = registry
@@ -166,7 +155,7 @@ class Worker:
         # The heartbeat keeps running while we drain: a drain longer than the lease must
         # not let another replica collect the claims we are about to complete.
         await self._drain()
-        await self._cancel_stuck()
+        await _cancel_stuck(self._working())
         for t in self._background:
             t.cancel()
         self.health.cancel()
@@ -206,15 +195,6 @@ class Worker:
             )
         forced.cancel()
 
-    async def _cancel_stuck(self) -> None:
-        stuck = self._working()
-        if stuck:
-            log.warning("shutdown_deadline_cancelling", tasks=[t.get_name() for t in stuck])
-            for t in stuck:
-                t.cancel()
-            # Cancelled batches release their messages (shielded); give that a bound.
-            await asyncio.wait(stuck, timeout=10)
-
     # -- health ------------------------------------------------------------------------
 
     def liveness(self) -> tuple[bool, dict[str, object]]:
@@ -247,7 +227,7 @@ class Worker:
                 self._slots.release()
                 break
             poll = object()  # holds the receive's room in the memory budget
-            if not await self._room(poll):
+            if not await _room(self.budget, self.receive_reserve, poll, self._stop):
                 self._slots.release()
                 break
             try:
@@ -272,25 +252,6 @@ class Worker:
             self.budget.charge(size - room, owner)
             if not await self._dispatch(batch, owner):
                 break
-
-    async def _room(self, poll: object) -> bool:
-        """Wait for room for one receive in the memory budget (back-pressure); False when
-        the worker stops meanwhile."""
-        if self.budget.try_take(self.receive_reserve, poll):
-            return True
-        metrics.budget_waits.inc()
-        take = asyncio.ensure_future(self.budget.take(self.receive_reserve, poll))
-        stop = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait([take, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if take.done() and not self.stopping:
-            return True
-        take.cancel()
-        await asyncio.gather(take, return_exceptions=True)
-        self.budget.give_all(poll)
-        return False
 
     async def _dispatch(self, batch: list[Received], owner: object | None = None) -> bool:
         """Start a batch task for what a poll brought (it owns the slot, and ``owner``'s
@@ -323,3 +284,50 @@ class Worker:
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._batches.discard(task)
         self._slots.release()
+
+
+def _budget(settings: Settings, max_message_bytes: int,
+            payloads: S3Payloads | None) -> tuple[MemoryBudget, int]:
+    """INGEST_MAX_INFLIGHT_BYTES: bodies and S3 payloads of the messages in flight, and the
+    room a poll takes before it asks — a full receive (ten of the queue's largest
+    messages), or its share of the budget if that is less, so that INGEST_POLLERS polls fit
+    side by side (ten 1 MiB messages would otherwise take the whole default budget and
+    serialise the pollers). A poll keeps what the messages it got hold, gives the rest
+    back, and is charged what they take beyond its room (``MemoryBudget.charge``)."""
+    budget = MemoryBudget(settings.max_inflight_bytes)
+    reserve = max(1, min(10 * max_message_bytes,
+                         settings.max_inflight_bytes // settings.pollers))
+    if payloads is not None:
+        payloads.budget = budget
+    metrics.inflight_bytes.set_function(lambda: budget.used)
+    return budget, reserve
+
+
+async def _room(budget: MemoryBudget, reserve: int, poll: object,
+                stop: asyncio.Event) -> bool:
+    """Wait for room for one receive in the memory budget (back-pressure); False when
+    the worker stops meanwhile."""
+    if budget.try_take(reserve, poll):
+        return True
+    metrics.budget_waits.inc()
+    take = asyncio.ensure_future(budget.take(reserve, poll))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([take, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if take.done() and not stop.is_set():
+        return True
+    take.cancel()
+    await asyncio.gather(take, return_exceptions=True)
+    budget.give_all(poll)
+    return False
+
+
+async def _cancel_stuck(stuck: list[asyncio.Task[None]]) -> None:
+    if stuck:
+        log.warning("shutdown_deadline_cancelling", tasks=[t.get_name() for t in stuck])
+        for t in stuck:
+            t.cancel()
+        # Cancelled batches release their messages (shielded); give that a bound.
+        await asyncio.wait(stuck, timeout=10)
