@@ -123,6 +123,26 @@ def postgres_server() -> Iterator[Postgres]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+async def create_template(pg: Postgres, name: str, extra_sql: Sequence[str] = ()) -> None:
+    """Create database ``name`` on ``pg``, migrated, with ``extra_sql`` run in it: the
+    template each test's database is copied from (``CREATE DATABASE … TEMPLATE name``)."""
+    from service.migrate import migrate  # the runner pulls in the CLI's dependencies
+
+    conn = await asyncpg.connect(pg.dsn())
+    try:
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    await migrate(pg.dsn(name))
+    if extra_sql:
+        conn = await asyncpg.connect(pg.dsn(name))
+        try:
+            for sql in extra_sql:
+                await conn.execute(sql)
+        finally:
+            await conn.close()
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What became of one message: ``completed`` (``result`` is what the handler returned),

@@ -35,27 +35,10 @@ def ingest_schema_sql() -> list[str]:
 def ingest_postgres(ingest_schema_sql: list[str]) -> Iterator[Any]:
     import asyncio
 
-    import asyncpg
-
-    from service.kit import postgres_server
-    from service.migrate import migrate
+    from service.kit import create_template, postgres_server
 
     with postgres_server() as pg:
-        async def template() -> None:
-            conn = await asyncpg.connect(pg.dsn())
-            try:
-                await conn.execute(f"CREATE DATABASE {TEMPLATE}")
-            finally:
-                await conn.close()
-            await migrate(pg.dsn(TEMPLATE))
-            conn = await asyncpg.connect(pg.dsn(TEMPLATE))
-            try:
-                for sql in ingest_schema_sql:
-                    await conn.execute(sql)
-            finally:
-                await conn.close()
-
-        asyncio.run(template())
+        asyncio.run(create_template(pg, TEMPLATE, ingest_schema_sql))
         yield pg
 
 

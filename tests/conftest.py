@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import uuid
@@ -9,6 +10,7 @@ import asyncpg
 import boto3
 import pytest
 
+from service.kit import create_template
 from tests.servers import Postgres, localstack_server, moto_server, postgres_server
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -41,19 +43,7 @@ def pg_server() -> Iterator[Postgres]:
         yield Postgres(int(port), "", "", os.environ.get("INGEST_TEST_PG_USER", "postgres"))
         return
     with postgres_server() as pg:
-        import asyncio
-
-        from service.migrate import migrate
-
-        async def make_template() -> None:
-            conn = await asyncpg.connect(pg.dsn())
-            try:
-                await conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
-            finally:
-                await conn.close()
-            await migrate(pg.dsn(TEMPLATE_DB))
-
-        asyncio.run(make_template())
+        asyncio.run(create_template(pg, TEMPLATE_DB))
         yield pg
 
 

@@ -13,8 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-import asyncpg
-
+from service.kit import create_template
 from tests.servers import Postgres, postgres_server
 
 TEMPLATE_DB = "ingest_template"  # tests/conftest.py's
@@ -23,18 +22,8 @@ TEMPLATE_DB = "ingest_template"  # tests/conftest.py's
 @contextlib.contextmanager
 def shared_postgres() -> Iterator[Postgres]:
     """A server with the template database, and the environment that points sessions at it."""
-    from service.migrate import migrate
-
     with postgres_server() as pg:
-        async def template() -> None:
-            conn = await asyncpg.connect(pg.dsn())
-            try:
-                await conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
-            finally:
-                await conn.close()
-            await migrate(pg.dsn(TEMPLATE_DB))
-
-        asyncio.run(template())
+        asyncio.run(create_template(pg, TEMPLATE_DB))
         saved = {k: os.environ.get(k) for k in ("INGEST_TEST_PG_PORT", "INGEST_TEST_PG_USER")}
         os.environ.update(INGEST_TEST_PG_PORT=str(pg.port), INGEST_TEST_PG_USER=pg.user)
         try:
