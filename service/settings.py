@@ -7,9 +7,11 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
+    BeforeValidator,
     Field,
     SecretStr,
     ValidationError,
@@ -38,6 +40,44 @@ MAX_RETENTION_DAYS = 36_500
 #: 641 MiB at a 24 MiB budget and 551 MiB at 16 MiB, over the 512 Mi of deploy/k8s; the
 #: default is the smallest budget that still holds one INGEST_MAX_PAYLOAD_BYTES payload.
 DEFAULT_MAX_INFLIGHT_BYTES = 10 * 1024 * 1024
+
+
+# Field checks (a ValueError names the variable in load_settings's one line).
+def _queue_url(v: str) -> str:
+    if not v.startswith(("http://", "https://")):
+        raise ValueError("must be an SQS queue URL (http(s)://…)")
+    return v
+
+
+def _endpoint(v: str | None) -> str | None:
+    if v is not None and not v.startswith(("http://", "https://")):
+        raise ValueError("must be an http(s):// URL")
+    return v or None
+
+
+def _topic_arn(v: str | None) -> str | None:
+    if v and not v.startswith("arn:"):
+        raise ValueError("must be an SNS topic ARN (arn:…:sns:…)")
+    return v or None
+
+
+def _s3_buckets(v: str) -> str:
+    AllowList.parse(v)  # ValueError names the entry
+    return v
+
+
+def _s3_owner(v: str | None) -> str | None:
+    if v and not (len(v) == 12 and v.isdigit()):
+        raise ValueError("must be a 12-digit AWS account id")
+    return v or None
+
+
+def _lower(v: object) -> object:
+    return v.lower() if isinstance(v, str) else v
+
+
+QueueUrl = Annotated[str, AfterValidator(_queue_url)]
+EndpointUrl = Annotated[str | None, AfterValidator(_endpoint)]
 
 
 class Settings(BaseSettings):
@@ -113,12 +153,12 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
-    queue_url: str
+    queue_url: QueueUrl
     database_url: SecretStr
     database_url_file: Path | None = None
     database_password: SecretStr | None = None
     database_password_file: Path | None = None
-    sqs_endpoint_url: str | None = None
+    sqs_endpoint_url: EndpointUrl = None
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
     http_host: str = "0.0.0.0"
@@ -138,19 +178,20 @@ class Settings(BaseSettings):
     contention_delay: float = Field(5.0, ge=0, le=SQS_MAX_VISIBILITY)
     queue_attributes_interval: float = Field(15.0, gt=0)
     db_pool_size: int = Field(10, ge=1, le=200)
-    log_format: Literal["json", "console"] = "json"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Annotated[Literal["json", "console"], BeforeValidator(_lower)] = "json"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"],
+                         BeforeValidator(_lower)] = "info"
     tracing: bool = False
-    s3_endpoint_url: str | None = None
+    s3_endpoint_url: EndpointUrl = None
     max_payload_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=2**31)
     s3_delete_after_ack: bool = False
-    s3_buckets: str = ""
-    s3_expected_owner: str | None = None
+    s3_buckets: Annotated[str, AfterValidator(_s3_buckets)] = ""
+    s3_expected_owner: Annotated[str | None, AfterValidator(_s3_owner)] = None
     s3_unreadable_after: float = Field(3600.0, gt=0, allow_inf_nan=False)
     max_inflight_bytes: int = Field(DEFAULT_MAX_INFLIGHT_BYTES, ge=1024, le=2**40)
-    results_topic_arn: str | None = None
+    results_topic_arn: Annotated[str | None, AfterValidator(_topic_arn)] = None
     results_queue_url: str | None = None
-    results_endpoint_url: str | None = None
+    results_endpoint_url: EndpointUrl = None
     results_publishers: int = Field(2, ge=1, le=32)
     results_retention_days: float = Field(7.0, ge=0, le=MAX_RETENTION_DAYS)
     results_send_timeout: float = Field(10.0, gt=0)
@@ -174,27 +215,6 @@ class Settings(BaseSettings):
                 data["database_url"] = url
         return data
 
-    @field_validator("queue_url")
-    @classmethod
-    def _queue_url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must be an SQS queue URL (http(s)://…)")
-        return v
-
-    @field_validator("sqs_endpoint_url")
-    @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError("must be an http(s):// URL")
-        return v or None
-
-    @field_validator("results_topic_arn")
-    @classmethod
-    def _topic_arn(cls, v: str | None) -> str | None:
-        if v and not v.startswith("arn:"):
-            raise ValueError("must be an SNS topic ARN (arn:…:sns:…)")
-        return v or None
-
     @field_validator("results_queue_url")
     @classmethod
     def _results_queue(cls, v: str | None, info: ValidationInfo) -> str | None:
@@ -204,22 +224,6 @@ class Settings(BaseSettings):
             raise ValueError("and INGEST_RESULTS_TOPIC_ARN are both set: choose one")
         return v or None
 
-    @field_validator("results_endpoint_url")
-    @classmethod
-    def _results_endpoint(cls, v: str | None) -> str | None:
-        return cls._endpoint(v)
-
-    @field_validator("s3_endpoint_url")
-    @classmethod
-    def _s3_endpoint(cls, v: str | None) -> str | None:
-        return cls._endpoint(v)
-
-    @field_validator("s3_buckets")
-    @classmethod
-    def _s3_buckets(cls, v: str) -> str:
-        AllowList.parse(v)  # ValueError names the entry
-        return v
-
     @field_validator("max_inflight_bytes")
     @classmethod
     def _budget(cls, v: int, info: ValidationInfo) -> int:
@@ -228,18 +232,6 @@ class Settings(BaseSettings):
             raise ValueError(f"({v}) cannot hold one message of INGEST_MAX_PAYLOAD_BYTES "
                              f"({payload}): raise it or lower INGEST_MAX_PAYLOAD_BYTES")
         return v
-
-    @field_validator("s3_expected_owner")
-    @classmethod
-    def _s3_owner(cls, v: str | None) -> str | None:
-        if v and not (len(v) == 12 and v.isdigit()):
-            raise ValueError("must be a 12-digit AWS account id")
-        return v or None
-
-    @field_validator("log_format", "log_level", mode="before")
-    @classmethod
-    def _lower(cls, v: object) -> object:
-        return v.lower() if isinstance(v, str) else v
 
     @property
     def database_dsn(self) -> str:
