@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -92,26 +92,6 @@ def test_no_aws_credentials(base_env: dict[str, str], tmp_path: Path) -> None:
     code, lines = run_daemon(env)
     assert code == 2
     assert_one_line(lines, "no AWS credentials found", "AWS_ACCESS_KEY_ID")
-
-
-@pytest.fixture
-async def password_role(pg_server: Postgres, database_url: str) -> AsyncIterator[str]:
-    """A role that must log in with a password (the test cluster trusts everyone else):
-    a pg_hba line for it alone, ahead of the trust lines."""
-    role = "pw_" + uuid.uuid4().hex[:8]
-    hba = Path(pg_server.datadir) / "pg_hba.conf"
-    original = hba.read_text()
-    hba.write_text(f"host all {role} 127.0.0.1/32 scram-sha-256\n" + original)
-    conn = await asyncpg.connect(pg_server.dsn())
-    try:
-        await conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'right'")
-        await conn.execute("SELECT pg_reload_conf()")
-        yield role
-    finally:
-        hba.write_text(original)
-        await conn.execute("SELECT pg_reload_conf()")
-        await conn.execute(f"DROP ROLE IF EXISTS {role}")
-        await conn.close()
 
 
 def test_wrong_database_password(base_env: dict[str, str], pg_server: Postgres,

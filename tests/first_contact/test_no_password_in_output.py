@@ -15,12 +15,10 @@ import json
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-import asyncpg
 import pytest
 
 from tests.servers import Postgres, free_port
@@ -103,26 +101,6 @@ def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forker]:
     f = Forker(tmp_path_factory.mktemp("forker"))
     yield f
     f.close()
-
-
-@pytest.fixture
-async def password_role(pg_server: Postgres) -> AsyncIterator[str]:
-    """A role that must log in with a password other than PASSWORD (the test cluster trusts
-    everyone else): a scram pg_hba line for it alone, ahead of the trust lines."""
-    role = "pw_" + uuid.uuid4().hex[:8]
-    hba = Path(pg_server.datadir) / "pg_hba.conf"
-    original = hba.read_text()
-    hba.write_text(f"host all {role} 127.0.0.1/32 scram-sha-256\n" + original)
-    conn = await asyncpg.connect(pg_server.dsn())
-    try:
-        await conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'the-right-one'")
-        await conn.execute("SELECT pg_reload_conf()")
-        yield role
-    finally:
-        hba.write_text(original)
-        await conn.execute("SELECT pg_reload_conf()")
-        await conn.execute(f"DROP ROLE IF EXISTS {role}")
-        await conn.close()
 
 
 def leaked(output: str) -> set[str]:
