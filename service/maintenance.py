@@ -5,10 +5,9 @@ gauges from GetQueueAttributes (depth, oldest message age), the results publishe
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 
 import structlog
@@ -24,7 +23,6 @@ from service.settings import Settings
 
 log = structlog.get_logger("sqs_ingest.worker")
 
-
 class Maintenance:
     """Periodic tasks of one worker; every one of them must stay alive (liveness)."""
 
@@ -34,7 +32,7 @@ class Maintenance:
         queue: QueueSeam,
         store: StoreSeam,
         health: DatabaseHealth,
-        holding: collections.Counter[str],
+        holding: Iterable[str],
         started_at: float,
         limit: ReceiveLimit,
         publisher: Publisher | None = None,
@@ -43,7 +41,7 @@ class Maintenance:
         self.queue = queue
         self.store = store
         self.health = health
-        self.holding = holding  # request_ids claimed by batches in flight
+        self.holding = holding  # request_ids claimed by batches in flight (service.claims)
         self.started_at = started_at
         self.publisher = publisher
         # The queue's RedrivePolicy, refreshed with the gauges (service.redrive).
