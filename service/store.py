@@ -104,7 +104,38 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
     )
 
 
-class Store:
+class PgOutbox:
+    """The results outbox's side of PostgreSQL (``service.seams.OutboxSeam``): what the
+    publisher (``service.results``) claims, sends and marks. ``Store`` is one, over the
+    connections it is given for it."""
+
+    def __init__(self, outbox_pool: asyncpg.Pool) -> None:
+        # The publisher holds its claim across the send: its own connections, so a slow
+        # destination never takes one from the batches or the heartbeat.
+        self.outbox_pool = outbox_pool
+        # Set when a statement wrote an outbox row: the publisher wakes up.
+        self.outbox_written = asyncio.Event()
+
+    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
+        """Claim → send → mark, one transaction: a crash before the mark leaves the rows
+        pending (sent again: at least once, absorbed by a FIFO destination's dedup id); a
+        row another publisher holds is skipped, never sent twice at the same time."""
+        async with connection(self.outbox_pool) as conn, conn.transaction():
+            rows = [_outbox_row(r) for r in await conn.fetch(Q["outbox_claim"], limit, fifo)]
+            if not rows:
+                return 0, 0
+            sent = await send(rows)
+            if sent:
+                await conn.execute(Q["outbox_mark_published"], sorted(sent))
+            return len(rows), len(sent)
+
+    async def outbox_stats(self) -> tuple[int, float]:
+        async with connection(self.outbox_pool) as conn:
+            r = await conn.fetchrow(Q["outbox_stats"])
+        return int(r["pending"]), float(r["oldest_age"])
+
+
+class Store(PgOutbox):
     """PostgreSQL side of the pipeline. Every method is one short transaction."""
 
     def __init__(
@@ -125,10 +156,7 @@ class Store:
         # Results on: completions and dead letters write their outbox row in the same
         # statement. Off: the statements of before, nothing more.
         self.results = results
-        # The publisher holds its claim across the send: its own connections, so a slow
-        # destination never takes one from the batches or the heartbeat.
-        self.outbox_pool = outbox_pool or self.control
-        self.outbox_written = asyncio.Event()
+        super().__init__(outbox_pool or self.control)
         self._dead_letter_q = Q["dead_letter_with_result" if results else "dead_letter"]
 
     # -- workers -----------------------------------------------------------------------
@@ -221,7 +249,7 @@ class Store:
         if not letters:
             return
         async with connection(self.pool) as conn:
-            await conn.execute(self._dead_letter_q, *self._dead_letter_args(letters))
+            await conn.execute(self._dead_letter_q, *_dead_letter_args(letters, self.results))
         if self.results:
             self.outbox_written.set()
 
@@ -254,37 +282,11 @@ class Store:
                 if counts[m.request_id] >= max_failures
             ]
             if exhausted:
-                await conn.execute(self._dead_letter_q, *self._dead_letter_args(exhausted))
+                await conn.execute(self._dead_letter_q, *_dead_letter_args(exhausted, self.results))
                 await conn.execute(Q["clear_attempts"], [d.request_id for d in exhausted])
         if exhausted and self.results:
             self.outbox_written.set()
         return counts
-
-    def _dead_letter_args(self, letters: Sequence[DeadLetter]) -> list[list[Any]]:
-        args = _dead_letter_args(letters)
-        if self.results:
-            args.append([d.group_id for d in letters])
-        return args
-
-    # -- results out (the outbox) ------------------------------------------------------
-
-    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
-        """Claim → send → mark, one transaction: a crash before the mark leaves the rows
-        pending (sent again: at least once, absorbed by a FIFO destination's dedup id); a
-        row another publisher holds is skipped, never sent twice at the same time."""
-        async with connection(self.outbox_pool) as conn, conn.transaction():
-            rows = [_outbox_row(r) for r in await conn.fetch(Q["outbox_claim"], limit, fifo)]
-            if not rows:
-                return 0, 0
-            sent = await send(rows)
-            if sent:
-                await conn.execute(Q["outbox_mark_published"], sorted(sent))
-            return len(rows), len(sent)
-
-    async def outbox_stats(self) -> tuple[int, float]:
-        async with connection(self.outbox_pool) as conn:
-            r = await conn.fetchrow(Q["outbox_stats"])
-        return int(r["pending"]), float(r["oldest_age"])
 
 
 def _outbox_row(r: asyncpg.Record) -> OutboxRow:
@@ -394,8 +396,9 @@ def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:
     return [[m.request_id for m in messages], owner, [m.raw.message_id for m in messages]]
 
 
-def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:
-    return [
+def _dead_letter_args(letters: Sequence[DeadLetter], results: bool) -> list[list[Any]]:
+    """The dead-letter statement's arrays (with results on, its outbox rows' groups too)."""
+    args: list[list[Any]] = [
         [d.sqs_message_id for d in letters],
         [d.body for d in letters],
         [d.reason for d in letters],
@@ -404,3 +407,6 @@ def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:
         [d.request_type for d in letters],
         [d.receive_count for d in letters],
     ]
+    if results:
+        args.append([d.group_id for d in letters])
+    return args

@@ -224,23 +224,66 @@ class FakeDatabase:
         self.rows[request_id].claimed_at -= seconds
 
 
-class FakeStore:
+class FakeOutbox:
+    """In-memory twin of ``PgOutbox``: the outbox rows of a ``FakeDatabase``."""
+
+    def __init__(self, db: FakeDatabase) -> None:
+        self.db = db
+        self.outbox_written = asyncio.Event()
+
+    def _check(self) -> None:
+        if self.db.down:
+            raise DatabaseUnavailable("fake database is down")
+
+    def _result(self, request_id: str, type_: str | None, status: str, result: Any,
+                reason: str | None, group_id: str | None) -> None:
+        row = OutboxRow(len(self.db.outbox) + 1, request_id, type_, status, result, reason,
+                        datetime.now(UTC), group_id)
+        self.db.outbox.append(FakeOutboxRow(row))
+        self.outbox_written.set()
+
+    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
+        self._check()
+        pending = [r for r in self.db.outbox if r.published_at is None]
+        taken = [r for r in pending if not r.locked][:limit]
+        if fifo:  # a group waits behind an older pending row another publisher holds
+            held_groups = {r.row.group_id for r in pending
+                           if r.locked and r.row.group_id is not None}
+            taken = [r for r in taken if r.row.group_id not in held_groups]
+        if not taken:
+            return 0, 0
+        for r in taken:
+            r.locked = True
+        try:
+            sent = await send([r.row for r in taken])
+            self._check()  # the mark is a statement too
+            for r in taken:
+                if r.row.id in sent:
+                    r.published_at = time.time()
+        finally:
+            for r in taken:
+                r.locked = False
+        return len(taken), len(sent)
+
+    async def outbox_stats(self) -> tuple[int, float]:
+        self._check()
+        pending = [r.row.completed_at for r in self.db.outbox if r.published_at is None]
+        age = (datetime.now(UTC) - min(pending)).total_seconds() if pending else 0.0
+        return len(pending), age
+
+
+class FakeStore(FakeOutbox):
     """In-memory twin of ``Store``. ``conn`` passed to handlers is None."""
 
     def __init__(
         self, worker_id: str = "fake-worker", db: FakeDatabase | None = None,
         results: bool = False,
     ) -> None:
+        super().__init__(db or FakeDatabase())
         self.worker_id = worker_id
-        self.db = db or FakeDatabase()
         self.results = results
-        self.outbox_written = asyncio.Event()
         # The shared tables, as the worker tests read them.
         self.rows, self.dead, self.failures = self.db.rows, self.db.dead, self.db.failures
-
-    def _check(self) -> None:
-        if self.db.down:
-            raise DatabaseUnavailable("fake database is down")
 
     # -- workers -----------------------------------------------------------------------
 
@@ -311,7 +354,8 @@ class FakeStore:
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         self._check()
         out = {}
-        held = {m.request_id for m in messages if self._held(m)}  # before this call's rows
+        # FIFO: groups held before this call's rows
+        held = {m.request_id for m in messages if _group_held(self.db, m)}
         for m in messages:
             row = self.db.rows.get(m.request_id)
             fails = self.db.failures.get(m.request_id, 0)
@@ -334,16 +378,6 @@ class FakeStore:
                                                 row.payload_sha256, row.owner, fails)
         return out
 
-    def _held(self, m: Message) -> bool:
-        """FIFO: an earlier message of its group is IN_PROGRESS under anyone (the claim
-        statement's rule, on the rows as they were before the call)."""
-        g, n = m.raw.group_id, m.raw.sequence_number
-        if g is None or n is None:
-            return False
-        return any(r.status == "IN_PROGRESS" and r.group_id == g and r.sequence_number is not None
-                   and r.sequence_number < n and r.request_id != m.request_id
-                   for r in self.db.rows.values())
-
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         self._check()
         wanted = set(uris)
@@ -365,13 +399,6 @@ class FakeStore:
         once, batch_once = _replayed(call, batch)
         return await completion.complete(
             _FakeTransactions(self), messages, once, fifo, batch_once)
-
-    def _result(self, request_id: str, type_: str | None, status: str, result: Any,
-                reason: str | None, group_id: str | None) -> None:
-        row = OutboxRow(len(self.db.outbox) + 1, request_id, type_, status, result, reason,
-                        datetime.now(UTC), group_id)
-        self.db.outbox.append(FakeOutboxRow(row))
-        self.outbox_written.set()
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self._check()
@@ -408,38 +435,6 @@ class FakeStore:
         return counts
 
 
-    # -- results out -------------------------------------------------------------------
-
-    async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
-        self._check()
-        pending = [r for r in self.db.outbox if r.published_at is None]
-        taken = [r for r in pending if not r.locked][:limit]
-        if fifo:  # a group waits behind an older pending row another publisher holds
-            held_groups = {r.row.group_id for r in pending
-                           if r.locked and r.row.group_id is not None}
-            taken = [r for r in taken if r.row.group_id not in held_groups]
-        if not taken:
-            return 0, 0
-        for r in taken:
-            r.locked = True
-        try:
-            sent = await send([r.row for r in taken])
-            self._check()  # the mark is a statement too
-            for r in taken:
-                if r.row.id in sent:
-                    r.published_at = time.time()
-        finally:
-            for r in taken:
-                r.locked = False
-        return len(taken), len(sent)
-
-    async def outbox_stats(self) -> tuple[int, float]:
-        self._check()
-        pending = [r.row.completed_at for r in self.db.outbox if r.published_at is None]
-        age = (datetime.now(UTC) - min(pending)).total_seconds() if pending else 0.0
-        return len(pending), age
-
-
 class FakeSink:
     """An in-memory results destination (``service.seams.ResultsSink``): records what
     it accepted; ``refuse`` makes every call fail, ``refuse_ids`` single entries."""
@@ -462,6 +457,17 @@ class FakeSink:
         ok = [r for r in rows if r.id not in self.refuse_ids]
         self.sent.extend(ok)
         return {r.id for r in ok}
+
+
+def _group_held(db: FakeDatabase, m: Message) -> bool:
+    """FIFO: an earlier message of its group is IN_PROGRESS under anyone (the claim
+    statement's rule, on the rows as they were before the call)."""
+    g, n = m.raw.group_id, m.raw.sequence_number
+    if g is None or n is None:
+        return False
+    return any(r.status == "IN_PROGRESS" and r.group_id == g and r.sequence_number is not None
+               and r.sequence_number < n and r.request_id != m.request_id
+               for r in db.rows.values())
 
 
 def _held_by(worker_id: str, row: Row | None) -> bool:
