@@ -25,7 +25,7 @@ ALLOWED_SKIPS: dict[str, str] = {}
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     outcome = yield
     report = outcome.get_result()
     if (report.skipped and not hasattr(report, "wasxfail")
@@ -98,19 +98,19 @@ def localstack() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def sqs_client(sqs_endpoint: str):  # type: ignore[no-untyped-def]
+def sqs_client(sqs_endpoint: str):
     return boto3.client("sqs", endpoint_url=sqs_endpoint, region_name="us-east-1")
 
 
 @pytest.fixture
-def queue_url(sqs_client) -> str:  # type: ignore[no-untyped-def]
+def queue_url(sqs_client) -> str:
     """A fresh standard queue per test (PurgeQueue is rate-limited)."""
     name = "q-" + uuid.uuid4().hex[:12]
     return str(sqs_client.create_queue(QueueName=name, Attributes={"VisibilityTimeout": "30"})["QueueUrl"])
 
 
 @pytest.fixture
-def fifo_queue_url(sqs_client) -> str:  # type: ignore[no-untyped-def]
+def fifo_queue_url(sqs_client) -> str:
     name = "q-" + uuid.uuid4().hex[:12] + ".fifo"
     return str(
         sqs_client.create_queue(

@@ -16,7 +16,7 @@ import asyncio
 import collections
 import json
 import threading
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 from aiohttp import web
@@ -44,7 +44,7 @@ class FaultProxy:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self

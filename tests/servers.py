@@ -31,7 +31,7 @@ from service.kit import (  # noqa: F401  (re-exported to the suites)
 )
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
     """Poll ``predicate`` until truthy; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

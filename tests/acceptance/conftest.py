@@ -18,7 +18,7 @@ async def database_url(database_url: str) -> str:
 
 
 @pytest.fixture
-def make_queue(sqs_client: Any):  # type: ignore[no-untyped-def]
+def make_queue(sqs_client: Any):
     """A fresh queue with a short visibility timeout, so redeliveries come quickly."""
 
     def make(visibility: int = 5, fifo: bool = False) -> str:

@@ -363,6 +363,7 @@ async def check_invariants(dsn: str, w: Workload, sqs: Any, queue_url: str) -> d
 def wait_drained(sqs: Any, queue_url: str, daemons: list[Daemon], timeout: float = 120) -> None:
     def drained() -> bool:
         for d in daemons:
+            # why the ignore below: a started daemon has its process
             assert not d.exited() or d.proc.returncode == 0, d.logs()  # type: ignore[union-attr]
         return queue_depth(sqs, queue_url) == 0
 

@@ -167,11 +167,12 @@ async def test_kill9_while_publishing_to_a_fifo_queue_one_result_per_outcome(
         # can finish the first 150 bodies between two polls of this loop, and a target past
         # them was never reached — 120 s, then "progress before kill" failed the test.
         cap = len(requests_in(sent, w)) - 5
-        done = completed_now(database_url)
-        target = min(done + rng.randrange(5, 30), cap)
-        kills.append((done, target, cap))
-        wait_until(supervised(lambda t=target: completed_now(database_url) >= t), 120,
-                   "progress before kill")
+        so_far = completed_now(database_url)
+        target = min(so_far + rng.randrange(5, 30), cap)
+        kills.append((so_far, target, cap))
+        # t=target binds this round's target (mypy cannot type a lambda's default)
+        wait_until(supervised(lambda t=target: completed_now(database_url) >= t),  # type: ignore[misc]
+                   120, "progress before kill")
         d.kill9()
         d.start()
     drained = supervised(lambda: queue_depth(sqs_client, source) == 0)

@@ -150,9 +150,9 @@ async def test_standard_topic_raw_and_enveloped_every_outcome_at_least_once(
     rng = random.Random(chaos_seed(2020))
     topic = sns.create_topic(Name=f"results-{uuid.uuid4().hex[:8]}")["TopicArn"]
     (raw_q, raw_arn), (env_q, env_arn) = queue(sqs, "raw", False), queue(sqs, "env", False)
-    for arn, raw in ((raw_arn, "true"), (env_arn, "false")):
+    for arn, delivery in ((raw_arn, "true"), (env_arn, "false")):
         sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn,
-                      Attributes={"RawMessageDelivery": raw})
+                      Attributes={"RawMessageDelivery": delivery})
     w = Workload(seed=2020)
     bodies = w.bodies(150)
     source, _ = queue(sqs, "src", False, VisibilityTimeout="5")

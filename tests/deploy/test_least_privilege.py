@@ -103,7 +103,7 @@ def test_daemon_policy_has_no_operator_actions() -> None:
 
 def test_daemon_s3_read_is_the_configured_bucket_and_prefix() -> None:
     entries = daemon_env()["INGEST_S3_BUCKETS"].split(",")
-    allowed = dict((*e.split("/", 1), "")[:2] for e in entries)  # bucket -> prefix
+    allowed = {b: p for b, _, p in (e.partition("/") for e in entries)}  # bucket -> prefix
     for st in policy("iam-policy.json")["Statement"]:
         acts = listed(st["Action"])
         for r in listed(st["Resource"]):

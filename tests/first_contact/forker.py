@@ -41,8 +41,9 @@ def child(req: dict[str, object]) -> None:
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
-        os.environ.update(req["env"])  # type: ignore[arg-type]
+        os.environ.update(req["env"])  # type: ignore[call-overload]  # the parent sends str -> str
         try:
+            # why the ignore below: the parent sends a list of str
             code = service.cli.main(list(req["argv"]))  # type: ignore[call-overload]
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1

@@ -23,7 +23,8 @@ def _plan(*args: str) -> dict[str, str]:
     out = subprocess.run(["scripts/install.sh", *args], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "INSTALL_PLAN": "1", "INSTALL_PRETEND_BARE": "1"},
                          timeout=60, check=True).stdout
-    return dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "")
+    # split(": ", 1) of a line holding ": " is a pair: mypy sees a list
+    return dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "")  # type: ignore[misc]
                 for line in out.splitlines())
 
 

@@ -48,10 +48,10 @@ def render(dashboard: dict[str, Any], instant: Callable[[str], list[dict[str, An
                  fontsize=14)
     top_margin = 0.8 / (bottom * ROW_IN + 0.8)
 
-    def box(g: dict[str, int]) -> list[float]:
+    def box(g: dict[str, int]) -> tuple[float, float, float, float]:
         h_total = 1 - top_margin
-        return [g["x"] / 24 + 0.004, 1 - top_margin - (g["y"] + g["h"]) / bottom * h_total + 0.012,
-                g["w"] / 24 - 0.008, g["h"] / bottom * h_total - 0.03]
+        return (g["x"] / 24 + 0.004, 1 - top_margin - (g["y"] + g["h"]) / bottom * h_total + 0.012,
+                g["w"] / 24 - 0.008, g["h"] / bottom * h_total - 0.03)
 
     for p in panels:
         g = p["gridPos"]

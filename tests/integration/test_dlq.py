@@ -15,7 +15,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -30,8 +30,8 @@ from tests.integration.conftest import make_settings
 
 BODY_WEIRD = 'not json {\u00e9\t"x":  1}\n  trailing spaces   \r\n\u2603'
 
-Impl = Callable[[asyncpg.Connection, int, dlq.Send], Awaitable[Letter]]
-BatchImpl = Callable[..., Awaitable[list[Letter]]]
+Impl = Callable[[asyncpg.Connection, int, dlq.Send], Coroutine[Any, Any, Letter]]
+BatchImpl = Callable[..., Coroutine[Any, Any, list[Letter]]]
 
 
 async def add_letter(

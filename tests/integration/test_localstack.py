@@ -12,7 +12,7 @@ import boto3
 from tests.servers import wait_until
 
 
-def _client(service: str, endpoint: str):  # type: ignore[no-untyped-def]
+def _client(service: str, endpoint: str):
     return boto3.client(service, endpoint_url=endpoint, region_name="us-east-1")
 
 

@@ -85,7 +85,7 @@ class Prometheus:
                  f"--storage.tsdb.path={self.storage}",
                  f"--web.listen-address=127.0.0.1:{self.port}"],
                 stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: self._ready() or self.proc.poll() is not None,  # type: ignore[union-attr]
+        wait_until(lambda: self._ready() or self.proc.poll() is not None,
                    60, "prometheus ready")
         assert self.proc.poll() is None, self.log.read_text()[-3000:]
 

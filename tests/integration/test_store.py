@@ -29,6 +29,7 @@ def msg(rid: str, version: int = 1, mid: str | None = None, data: Any = None,
 
 async def ok_handler(m: Message, conn: asyncpg.Connection) -> dict[str, Any]:
     await conn.execute("INSERT INTO entities (entity_id, version, data, request_id)"
+                       # why the ignore below: the payload is the registered model
                        " VALUES ($1, 1, '{}', $2)", m.payload.entity_id, m.request_id)  # type: ignore[attr-defined]
     return {"ok": True}
 

@@ -40,6 +40,7 @@ def _json_logs() -> Iterator[None]:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.JSONRenderer(),
         ],
+        # why the ignore below: _CurrentStderr writes like a text file
         logger_factory=lambda *args: structlog.PrintLogger(file=_CurrentStderr()),  # type: ignore[arg-type]
     )
     yield

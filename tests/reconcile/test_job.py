@@ -237,7 +237,7 @@ async def test_clean_databases_exit_zero(
     database_url: str,
     peer_url: str,
     pushgateway,
-    capfd,  # type: ignore[no-untyped-def]
+    capfd,
 ) -> None:
     await seed(database_url)
     await seed(peer_url)
@@ -271,7 +271,7 @@ async def test_tampered_databases_report_exactly_the_planted_discrepancies(
     spark,
     database_url: str,
     peer_url: str,
-    capfd,  # type: ignore[no-untyped-def]
+    capfd,
 ) -> None:
     await seed(database_url)
     await seed(peer_url)

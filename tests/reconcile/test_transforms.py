@@ -23,21 +23,21 @@ def ts(day: int, hour: int, minute: int = 0, second: int = 0) -> datetime:
 
 def mod(
     rid, status="COMPLETED", received=None, sha="s", rtype="invoice.created", owner="w1", id_=None
-):  # type: ignore[no-untyped-def]
+):
     received = received or ts(1, 10)
     completed = None if status == "IN_PROGRESS" else received
     return (id_ or zlib.crc32(rid.encode()), rid, rtype, status, sha, owner, received, completed)
 
 
-def mods_df(spark, rows):  # type: ignore[no-untyped-def]
+def mods_df(spark, rows):
     return spark.createDataFrame(rows, T.MODIFICATIONS_SCHEMA)
 
 
-def kinds(df):  # type: ignore[no-untyped-def]
+def kinds(df):
     return df.select("kind", "request_id", "entity_id", "source")
 
 
-def test_stuck_in_progress(spark) -> None:  # type: ignore[no-untyped-def]
+def test_stuck_in_progress(spark) -> None:
     from pyspark.testing import assertDataFrameEqual
 
     mods = mods_df(
@@ -70,7 +70,7 @@ def test_stuck_in_progress(spark) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-def test_compare_databases_reports_each_kind_once(spark) -> None:  # type: ignore[no-untyped-def]
+def test_compare_databases_reports_each_kind_once(spark) -> None:
     from pyspark.testing import assertDataFrameEqual
 
     primary = mods_df(
@@ -142,7 +142,7 @@ def test_compare_databases_reports_each_kind_once(spark) -> None:  # type: ignor
     }
 
 
-def test_compare_identical_databases_is_clean(spark) -> None:  # type: ignore[no-untyped-def]
+def test_compare_identical_databases_is_clean(spark) -> None:
     rows = [mod("a"), mod("b", "IN_PROGRESS"), mod("c", sha="x")]
     got = T.compare_databases(
         mods_df(spark, rows),
@@ -154,7 +154,7 @@ def test_compare_identical_databases_is_clean(spark) -> None:  # type: ignore[no
     assert got.count() == 0
 
 
-def emod(id_, rid, rtype, entity, version, md5, completed):  # type: ignore[no-untyped-def]
+def emod(id_, rid, rtype, entity, version, md5, completed):
     return (id_, rid, rtype, entity, version, md5, completed)
 
 
@@ -174,7 +174,7 @@ ENTITY_MODS = [
 ]
 
 
-def test_replay_entities(spark) -> None:  # type: ignore[no-untyped-def]
+def test_replay_entities(spark) -> None:
     from pyspark.testing import assertDataFrameEqual
 
     got = T.replay_entities(spark.createDataFrame(ENTITY_MODS, T.ENTITY_MODIFICATIONS_SCHEMA))
@@ -192,7 +192,7 @@ def test_replay_entities(spark) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-def test_entity_drift(spark) -> None:  # type: ignore[no-untyped-def]
+def test_entity_drift(spark) -> None:
     from pyspark.testing import assertDataFrameEqual
 
     mods = [
@@ -240,7 +240,7 @@ def test_entity_drift(spark) -> None:  # type: ignore[no-untyped-def]
     }
 
 
-def test_entity_drift_missing_entity(spark) -> None:  # type: ignore[no-untyped-def]
+def test_entity_drift_missing_entity(spark) -> None:
     from pyspark.testing import assertDataFrameEqual
 
     got = T.entity_drift(
@@ -267,7 +267,7 @@ def test_entity_drift_missing_entity(spark) -> None:  # type: ignore[no-untyped-
     )
 
 
-def test_count_by_kind(spark) -> None:  # type: ignore[no-untyped-def]
+def test_count_by_kind(spark) -> None:
     from pyspark.testing import assertDataFrameEqual
 
     disc = spark.createDataFrame(

@@ -135,7 +135,7 @@ async def test_a_receive_beyond_its_room_is_charged_to_its_batch() -> None:
     release = asyncio.Event()
 
     class Slow(FakeStore):
-        async def claim(self, messages):  # type: ignore[no-untyped-def]
+        async def claim(self, messages):
             await release.wait()
             return await super().claim(messages)
 

@@ -65,10 +65,12 @@ def test_locks_agree_and_cover_pyproject() -> None:
     declared = list(project["dependencies"]) + [
         r for extra in project["optional-dependencies"].values() for r in extra]
     for req in declared:
+        # why the ignore below: every requirement line starts with a name
         name = norm(re.match(r"[A-Za-z0-9._-]+", req).group(0))  # type: ignore[union-attr]
         assert name in dev, f"{req} is declared in pyproject.toml but not locked: make lock"
     runtime = pins(REQ / "runtime.txt")
     for req in project["dependencies"]:
+        # why the ignore below: every requirement line starts with a name
         assert norm(re.match(r"[A-Za-z0-9._-]+", req).group(0)) in runtime, req  # type: ignore[union-attr]
     # One resolution: the locked botocore is the one aiobotocore, boto3 and moto accept.
     from importlib.metadata import requires
@@ -105,6 +107,7 @@ def test_localstack_venv_is_exactly_its_lock() -> None:
     """The tests' LocalStack (scripts/localstack-venv.sh) is installed from its own hashed
     lock, requirements/localstack.txt, so every CI run meets the same emulator."""
     locked = pins(REQ / "localstack.txt")
+    # why the ignore below: the lock pins localstack-core
     assert locked["localstack-core"] == re.search(  # type: ignore[union-attr]
         r"localstack-core\[runtime\]==(\S+)", (REQ / "localstack.in").read_text()).group(1)
     python = ROOT / ".venv-localstack" / "bin" / "python"

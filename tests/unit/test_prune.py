@@ -112,6 +112,7 @@ class Queue:
 def maintenance(s: Settings, queue: Queue | None = None) -> Maintenance:
     health: Any = SimpleNamespace(is_up=True)
     store: Any = SimpleNamespace()
+    # why the ignore below: stand-ins for the store and health
     return Maintenance(s, queue or Queue(), store, health,  # type: ignore[arg-type]
                        collections.Counter(), 0.0, ReceiveLimit(s.max_receive_count))
 

@@ -62,6 +62,7 @@ def limit_of(configured: int, queue_max: int | None, fifo: bool = False) -> Rece
 def test_policy_is_read_from_the_attribute_number_or_string() -> None:
     assert RedrivePolicy.from_attributes(policy_attrs(3)) == RedrivePolicy(
         "arn:aws:sqs:us-east-1:000000000000:dlq", 3)
+    # why the ignore below: a RedrivePolicy is set here
     assert RedrivePolicy.from_attributes(policy_attrs("7")).max_receive_count == 7  # type: ignore[union-attr]
     assert RedrivePolicy.from_attributes({}) is None
     assert RedrivePolicy.from_attributes({"RedrivePolicy": ""}) is None
@@ -214,10 +215,10 @@ async def test_a_batch_caught_by_an_outage_is_requeued_near_the_limit(
         real_claim = h.store.claim
 
         async def claim_in_an_outage(messages: Any) -> Any:
-            h.store.claim = real_claim  # type: ignore[method-assign]
+            h.store.claim = real_claim  # type: ignore[method-assign]  # a stub on this instance
             raise DatabaseUnavailable("the database went away under this batch")
 
-        h.store.claim = claim_in_an_outage  # type: ignore[method-assign]
+        h.store.claim = claim_in_an_outage  # type: ignore[method-assign]  # a stub on this instance
         mid = q.send(body("r1", 1))
         await until(lambda: q.requeued == [mid], "requeued")
         assert q.dead_lettered_by_sqs == []

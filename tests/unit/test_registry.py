@@ -38,7 +38,7 @@ def test_same_type_twice_is_an_error() -> None:
         r.register("a.b", P, other)
 
 
-def test_handlers_module_registers_through_decorator(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_handlers_module_registers_through_decorator(tmp_path, monkeypatch) -> None:
     (tmp_path / "my_handlers_mod.py").write_text(textwrap.dedent("""
         from pydantic import BaseModel
         from service.handlers import handler

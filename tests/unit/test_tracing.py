@@ -86,6 +86,7 @@ def test_carrier_reads_sqs_attributes_then_the_sns_envelope() -> None:
 
 def test_xray_header() -> None:
     assert tracing.xray_ids(XRAY) == (0x5759E988BD862E3FE1BE46A994272793, 0x53995C3F42CD8AD8, True)
+    # why the ignore below: a valid header: not None
     assert tracing.xray_ids(XRAY.replace("Sampled=1", "Sampled=0"))[2] is False  # type: ignore[index]
     for bad in (None, "", "Root=1-abc;Parent=53995c3f42cd8ad8", "Root=2-5759e988-bd862e3fe1be46a994272793;Parent=1",
                 "Root=1-5759e988-bd862e3fe1be46a994272793", "Root=1-5759e988-bd862e3fe1be46a99427279z;Parent=53995c3f42cd8ad8"):

@@ -237,7 +237,7 @@ async def outage_then_recovery(harness: Harness, q: RecordingQueue, calls: list[
         pings += 1
         await real_ping()
 
-    harness.store.ping = counting_ping  # type: ignore[method-assign]
+    harness.store.ping = counting_ping  # type: ignore[method-assign]  # a stub on this instance
     await until(lambda: harness.worker.readiness()[0], "ready before the outage")
     harness.store.db.down = True
     mid = q.send(body("r1", 1))
