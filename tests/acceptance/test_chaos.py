@@ -253,7 +253,8 @@ async def test_sigterm_releases_what_idle_polls_bring(
     "scripts/probes/moto_fifo_group_order.py, 8 receivers: plain moto_server hands out a "
     "group's later message while an earlier one is in flight, 202 of 720; the suite's "
     "patched moto (tests/moto_fifo.py) showed 0 such in 2,400, but in 1 of 5 rounds kept "
-    "8 messages from every consumer for > 90 s). Not shown to be this test's cause. "
+    "8 messages from every consumer for > 90 s; its DeleteMessage can resurrect a deleted "
+    "message: scripts/probes/moto_delete_race.py). Not shown to be this test's cause. "
     "The LocalStack scenarios (tests/acceptance/test_fifo_localstack.py) are in make test"))
 async def test_fifo_kill_9_keeps_group_order_and_applies_once(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, tmp_path: Path
