@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -167,20 +166,21 @@ def _command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _settings_for(args: argparse.Namespace) -> Settings:
-    from service.settings import load_settings
+    from service.settings import is_set, load_settings
 
     # migrate, gc and dlq list only need the database: a migrate Job may have no queue URL.
     # prune too: without the queue it runs only when its retentions exceed SQS's maximum.
     db_only = args.command in ("migrate", "gc", "prune") or (
         args.command == "dlq" and args.dlq_command == "list"
     )
-    if db_only and not os.environ.get("INGEST_QUEUE_URL"):
+    queue_set = is_set("queue_url")
+    if db_only and not queue_set:
         return load_settings(queue_url=NO_QUEUE)
     # The database may also be given as a file (INGEST_DATABASE_URL_FILE).
-    db_set = any(os.environ.get(v) for v in ("INGEST_DATABASE_URL", "INGEST_DATABASE_URL_FILE"))
+    db_set = is_set("database_url", "database_url_file")
     if args.command in ("schema", "handlers"):  # read the registry only: no queue, no database
         return load_settings(**{k: v for k, v, given in (
-            ("queue_url", NO_QUEUE, bool(os.environ.get("INGEST_QUEUE_URL"))),
+            ("queue_url", NO_QUEUE, queue_set),
             ("database_url", NO_DATABASE, db_set)) if not given})
     if args.command == "redrive" and not db_set:
         return load_settings(database_url=NO_DATABASE)  # SQS calls only

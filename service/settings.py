@@ -361,6 +361,13 @@ def resolve_database_url(data: Mapping[str, object]) -> str | None:
     return dsn.url()
 
 
+def is_set(*fields: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether any of these settings (field names: ``queue_url`` is ``INGEST_QUEUE_URL``) is
+    set to something non-empty: which settings a command can do without."""
+    env = os.environ if environ is None else environ
+    return any(env.get(f"{ENV_PREFIX}{f.upper()}") for f in fields)
+
+
 def database_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The canonical DSN from ``INGEST_DATABASE_URL[_FILE]`` and ``INGEST_DATABASE_PASSWORD
     [_FILE]`` alone (for commands that need no queue: reconcile)."""
