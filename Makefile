@@ -47,7 +47,7 @@ test-investigations: install
 	  if [ $$rc -eq 5 ]; then echo "no open investigations"; else exit $$rc; fi
 
 test-fast: install
-	$(PY) -m pytest -q -rs -m "not chaos and not spark and not container" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -m "not chaos and not spark and not container and not investigation and not sql_mutation" $(PYTEST_ARGS)
 
 ## make bench [N=20000] [LATENCY_MS=20] [SOAK=600] [BASELINE=<ref>] [RESULTS=1]: ceiling vs naive vs daemon,
 ## side by side; BASELINE adds old-vs-new drains, RESULTS=1 results-out on-vs-off drains (ABBA)
