@@ -37,8 +37,12 @@ run: services
 
 ## make test: the whole suite (starts its own PostgreSQL and SQS emulator per session)
 ## Strict: a skipped test fails the run (tests/conftest.py), and so does a missing deploy tool.
+## TEST_WORKERS (default 2) pytest-xdist workers, one test file per worker at a time; each
+## worker starts its own PostgreSQL and emulators. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install
-	INGEST_TESTS_STRICT=1 DEPLOY_TOOLS_REQUIRED=1 $(PY) -m pytest -q -rs -m "not investigation and not sql_mutation" $(PYTEST_ARGS)
+	INGEST_TESTS_STRICT=1 DEPLOY_TOOLS_REQUIRED=1 $(PY) -m pytest -q -rs -m "not investigation and not sql_mutation" \
+	  -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## make test-investigations: open findings (README "Known issues"), expected to fail for now
 ## (none collected — pytest's exit 5 — means no open finding: success)
