@@ -1,4 +1,5 @@
-"""``moto_server`` with one FIFO fix, so the chaos suite can hold the daemon to SQS's order.
+"""``moto_server`` with a FIFO fix (so the chaos suite can hold the daemon to SQS's order)
+and locks (so it does not deliver a message twice or bring a deleted one back).
 
 moto (5.x) redelivers a FIFO group wrongly after a visibility timeout expires: its receive
 loop drops each expired message from the in-flight set one by one and skips it while the
@@ -53,7 +54,41 @@ def _receive_in_group_order(self: Any, queue_name: str, *args: Any, **kwargs: An
     return [m for m in result if m.id not in behind]
 
 
-models.SQSBackend.receive_message = _receive_in_group_order  # type: ignore[method-assign]  # the patch
+# Thread safety. moto_server serves requests on threads, and its SQS model mutates a queue
+# without a lock: ReceiveMessage checks a message's visibility and marks it received in two
+# steps (two concurrent receives can both return it: 4 of 1,000 messages, 8 receivers,
+# scripts/probes/moto_double_delivery.py), and DeleteMessage rebuilds the message list (two
+# concurrent deletes can bring a deleted message back: scripts/probes/moto_delete_race.py).
+# Real SQS does neither at these rates. Each queue's own Condition (the one its long polls
+# wait on) now guards its receive scan, deletes and visibility changes; a long poll releases
+# it while it waits (Condition.wait), so it never holds up other calls.
+
+
+def _locked_receive(self: Any, queue_name: str, *args: Any, **kwargs: Any) -> Any:
+    with self.get_queue(queue_name)._messages_lock:
+        return _receive_in_group_order(self, queue_name, *args, **kwargs)
+
+
+_delete = models.Queue.delete_message
+
+
+def _locked_delete(self: Any, receipt_handle: str) -> None:
+    with self._messages_lock:
+        _delete(self, receipt_handle)
+
+
+_change = models.SQSBackend.change_message_visibility
+
+
+def _locked_change(self: Any, queue_name: str, *args: Any, **kwargs: Any) -> Any:
+    with self.get_queue(queue_name)._messages_lock:
+        return _change(self, queue_name, *args, **kwargs)
+
+
+# the patches
+models.SQSBackend.receive_message = _locked_receive  # type: ignore[method-assign]
+models.Queue.delete_message = _locked_delete  # type: ignore[method-assign]
+models.SQSBackend.change_message_visibility = _locked_change  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     main()

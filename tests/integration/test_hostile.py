@@ -62,7 +62,7 @@ async def drain(sqs_client: Any, url: str, database_url: str, endpoint: str,
             attrs = a["Attributes"]
             return (attrs["ApproximateNumberOfMessages"], attrs[
                 "ApproximateNumberOfMessagesNotVisible"]) == ("0", "0")
-        await eventually(settled, "queue empty", timeout=30)
+        await eventually(settled, "queue empty", timeout=90)
     return elapsed, received_total() - before
 
 
