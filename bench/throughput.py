@@ -1064,6 +1064,196 @@ def _soak(env: Env, url: str, port: int, pid: int, s: Sampler, counter: CountPol
     }
 
 
+# -- the peer: bbc/sqs-consumer (PEER=sqs-consumer, issue 26) -----------------------------
+
+PEER_DIR = BENCH / "peer"
+#: The peers this bench can run: name -> the npm package pinned in bench/peer/package.json.
+PEERS = {"sqs-consumer": "sqs-consumer"}
+
+
+def peer_install(peer: str) -> dict[str, Any]:
+    """``npm ci`` into bench/peer/node_modules (gitignored) from the committed, hashed
+    package-lock.json, unless the installed tree already came from this very lock file.
+    Returns what will run: node's version and the installed packages' versions."""
+    import hashlib
+
+    if peer not in PEERS:
+        raise SystemExit(f"bench: PEER={peer!r} is not one of {', '.join(PEERS)}")
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        raise SystemExit("bench: the peer phase needs node (>= 20) and npm on PATH")
+    lock = PEER_DIR / "package-lock.json"
+    digest = hashlib.sha256(lock.read_bytes()).hexdigest()
+    stamp = PEER_DIR / "node_modules" / ".bench-lock-sha256"
+    if not stamp.exists() or stamp.read_text().strip() != digest:
+        print("bench: peer: npm ci (bench/peer/package-lock.json) ...", flush=True)
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=PEER_DIR, check=True,
+                       timeout=600)
+        stamp.write_text(digest + "\n")
+
+    def version(pkg: str) -> str:
+        doc = json.loads((PEER_DIR / "node_modules" / pkg / "package.json").read_text())
+        return str(doc["version"])
+
+    wanted = json.loads((PEER_DIR / "package.json").read_text())["dependencies"]
+    got = {pkg: version(pkg) for pkg in wanted}
+    if got != wanted:
+        raise RuntimeError(f"bench: peer: installed {got}, package.json pins {wanted}")
+    node_v = subprocess.run([node, "--version"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    return {"peer": peer, "node": node_v, "packages": got, "lock_sha256": digest}
+
+
+def table_count(dsn: str, table: str) -> int:
+    import asyncpg
+
+    async def go() -> int:
+        conn = await asyncpg.connect(dsn)
+        try:
+            return int(await conn.fetchval(f"SELECT count(*) FROM {table}"))
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+def phase_peer(env: Env, n: int, endpoint: str, label: str) -> dict[str, Any]:
+    """One drain by bench/peer/peer.mjs (sqs-consumer, 8 consumers, batch handler), measured
+    exactly as phase_daemon measures the daemon: fresh queue and database (migrated by this
+    code), N preloaded, rate = rows / (max - min completed_at), CPU of the node process from
+    /proc over the same window, LocalStack's and PostgreSQL's too, then SIGTERM."""
+    since = time.time() - 1
+    dsn = new_database(env, env.next("peer"))
+    url = create_queue(env.ls.url, env.next("peer"))
+    preload(env.ls.url, url, label, n)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    log_path = RESULTS / f"peer-{label}.log"
+    penv = {**os.environ, "PEER_QUEUE_URL": url, "PEER_ENDPOINT": endpoint,
+            "PEER_DATABASE_URL": dsn, "AWS_DEFAULT_REGION": REGION}
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([str(shutil.which("node")), "peer.mjs"], cwd=PEER_DIR, env=penv,
+                            stdout=subprocess.PIPE, stderr=log)
+    res: dict[str, Any] = {"label": label, "n": n, "code": "peer",
+                           "log": str(log_path.relative_to(ROOT))}
+    try:
+        pm = postmaster_pid(env.pg_datadir)
+        with Sampler({"peer": proc.pid, "localstack": env.ls.pid}, pm) as s:
+            counter = CountPoller(dsn, since)
+            try:
+                deadline = time.monotonic() + max(120, n / 20)
+                while counter.completed() < n:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"peer exited {proc.returncode}; see {log_path}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("peer did not drain the queue in time")
+                    time.sleep(0.2)
+            finally:
+                counter.close()
+            wait_until(lambda: queue_depth(env.ls.url, url) == 0, 60, "acks of the last batches")
+            res["peak_rss_mb"] = proc_status(proc.pid, "VmHWM") / 2**20
+        done, first, last = db_window(dsn, since)
+        res.update({
+            "completed": done, "entities": table_count(dsn, "entities"),
+            "seconds": last - first, "rate": done / (last - first),
+            "cpu_us_per_msg": (s.at(last, "peer_cpu") - s.at(first, "peer_cpu")) / done * 1e6,
+            "localstack_cpu_us_per_msg": (s.at(last, "localstack_cpu")
+                                          - s.at(first, "localstack_cpu")) / done * 1e6,
+            "postgres_cpu_us_per_msg": (s.at(last, "postgres_cpu")
+                                        - s.at(first, "postgres_cpu")) / done * 1e6,
+        })
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        res["exit_code"] = proc.returncode
+        log.close()
+    lines = out.decode().strip().splitlines()
+    res["peer_stats"] = json.loads(lines[-1]) if lines else None
+    return res
+
+
+def phase_peer_compare(env: Env, n: int, endpoint: str, rounds: int,
+                       peer: dict[str, Any]) -> dict[str, Any]:
+    """ROUNDS pairs of drains, the peer and the daemon (this working tree, its defaults), in
+    ABBA order (peer,daemon / daemon,peer / ...): same LocalStack, PostgreSQL and backlog."""
+    drains: list[dict[str, Any]] = []
+    for rnd in range(1, rounds + 1):
+        for who in ("peer", "daemon") if rnd % 2 else ("daemon", "peer"):
+            label = f"peer-r{rnd}-{who}"
+            print(f"bench: peer round {rnd}/{rounds}: {who} ...", flush=True)
+            if who == "peer":
+                d = phase_peer(env, n, endpoint, label)
+            else:
+                dsn = new_database(env, env.next("daemon"))
+                d = phase_daemon(env, n, endpoint, label, dsn=dsn)
+                d.update({"code": "daemon", "entities": table_count(dsn, "entities")})
+            d["round"] = rnd
+            print(f"bench:   {d['rate']:,.0f} msg/s, {who} CPU {d['cpu_us_per_msg']:.0f} us/msg, "
+                  f"LocalStack {d['localstack_cpu_us_per_msg']:.0f} us/msg, "
+                  f"exit {d['exit_code']}", flush=True)
+            drains.append(d)
+    keys = ("rate", "cpu_us_per_msg", "localstack_cpu_us_per_msg", "postgres_cpu_us_per_msg",
+            "peak_rss_mb")
+    per_code = {w: {k: _spread([d[k] for d in drains if d["code"] == w]) for k in keys}
+                for w in ("peer", "daemon")}
+    by_round = {(d["round"], d["code"]): d for d in drains}
+
+    def ratio(r: int, k: str) -> float:
+        return float(by_round[(r, "daemon")][k] / by_round[(r, "peer")][k])
+
+    paired = {k: _spread([ratio(r, k) for r in range(1, rounds + 1)])
+              for k in ("rate", "cpu_us_per_msg", "localstack_cpu_us_per_msg",
+                        "postgres_cpu_us_per_msg")}
+    paired["cpu_per_localstack_cpu"] = _spread([
+        ratio(r, "cpu_us_per_msg") / ratio(r, "localstack_cpu_us_per_msg")
+        for r in range(1, rounds + 1)])
+    return {"label": "peer", "n": n, "rounds": rounds, "peer": peer, "per_code": per_code,
+            "paired_ratio": paired,
+            "per_round": [{k: ratio(r, k) for k in ("rate", "cpu_us_per_msg")}
+                          for r in range(1, rounds + 1)],
+            "all_completed": all(d["completed"] == n and d["entities"] == n for d in drains),
+            "exit_codes": [d["exit_code"] for d in drains],
+            "peer_errors": [d["peer_stats"]["errors"] if d.get("peer_stats") else None
+                            for d in drains if d["code"] == "peer"],
+            "drains": drains}
+
+
+def report_peer(c: dict[str, Any]) -> list[str]:
+    p = c["peer"]
+    pk = ", ".join(f"{k} {v}" for k, v in p["packages"].items())
+    lines = [f"daemon vs {p['peer']} (node {p['node']}; {pk}), N={c['n']}, {c['rounds']} "
+             f"rounds ABBA (peer first)",
+             f"{'round':<7}{'who':<8}{'msg/s':>9}{'CPU us/msg':>12}{'LS us':>8}{'PG us':>8}"
+             f"{'RSS MB':>8}{'rows':>8}{'exit':>6}"]
+    for d in c["drains"]:
+        lines.append(f"{d['round']:<7}{d['code']:<8}{d['rate']:>9,.0f}"
+                     f"{d['cpu_us_per_msg']:>12.0f}{d['localstack_cpu_us_per_msg']:>8.0f}"
+                     f"{d['postgres_cpu_us_per_msg']:>8.0f}{d['peak_rss_mb']:>8.1f}"
+                     f"{d['completed']:>8}{d['exit_code']:>6}")
+    for key, what in (("rate", "msg/s"), ("cpu_us_per_msg", "CPU us/msg"),
+                      ("localstack_cpu_us_per_msg", "LocalStack us/msg"),
+                      ("postgres_cpu_us_per_msg", "PostgreSQL us/msg")):
+        pp, pd = c["per_code"]["peer"][key], c["per_code"]["daemon"][key]
+        pr = c["paired_ratio"][key]
+        lines.append(f"{what:<18} median peer {pp['median']:,.0f} ({pp['min']:,.0f}-"
+                     f"{pp['max']:,.0f}), daemon {pd['median']:,.0f} ({pd['min']:,.0f}-"
+                     f"{pd['max']:,.0f}); daemon/peer per round {pr['min']:.3f}-{pr['max']:.3f},"
+                     f" median {pr['median']:.3f}")
+    pl = c["paired_ratio"]["cpu_per_localstack_cpu"]
+    lines.append(f"CPU us/msg per LocalStack CPU us/msg (LocalStack as the control): "
+                 f"daemon/peer median {pl['median']:.3f} (per round {pl['min']:.3f}-"
+                 f"{pl['max']:.3f})")
+    lines.append(f"target (issue 26): daemon/peer msg/s >= 1.15 (median "
+                 f"{c['paired_ratio']['rate']['median']:.3f}), CPU/msg <= 0.8 (median "
+                 f"{c['paired_ratio']['cpu_us_per_msg']['median']:.3f}); every drain all N "
+                 f"rows and entities: {c['all_completed']}; peer errors {c['peer_errors']}")
+    return lines
+
+
 # -- profile summary --------------------------------------------------------------------
 
 AREAS = [  # first match on a frame's file path wins
@@ -1211,6 +1401,8 @@ def report(r: dict[str, Any]) -> str:
     for key in ("results", "results_null"):
         if r.get(key):
             lines.extend(report_results(r[key]))
+    if r.get("peer"):
+        lines.extend(report_peer(r["peer"]))
     for key in ("daemon_profiled", "daemon_profiled_baseline"):
         dp = r.get(key)
         if dp and "profile_summary" in dp:
@@ -1236,6 +1428,8 @@ def main() -> int:
     ap.add_argument("--candidate", default=os.environ.get("CANDIDATE") or None,
                     help="git ref of the new code (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=_env_int("ROUNDS", 3))
+    ap.add_argument("--peer", default=os.environ.get("PEER") or None,
+                    help="adds the peer phase: daemon vs that consumer (sqs-consumer)")
     a = ap.parse_args()
     naive_n = a.naive_n or _env_int("NAIVE_N", min(a.n, 5_000))
     phases = {p.strip() for p in a.phases.split(",") if p.strip()}
@@ -1250,6 +1444,9 @@ def main() -> int:
         phases.add("compare")
     if os.environ.get("RESULTS", "") not in ("", "0"):
         phases.add("results")
+    if a.peer:
+        phases.add("peer")
+    peer = peer_install(a.peer or "sqs-consumer") if "peer" in phases else None
     if "compare" in phases and not a.baseline:
         raise SystemExit("bench: PHASES=compare needs BASELINE=<git ref>")
     with contextlib.ExitStack() as stack:
@@ -1280,6 +1477,8 @@ def main() -> int:
             step("daemon", phase_daemon, env, a.n, ls.url, "daemon")
         if old and new:
             step("compare", phase_compare, env, a.n, ls.url, old, new, a.rounds)
+        if peer:
+            step("peer", phase_peer_compare, env, a.n, ls.url, a.rounds, peer)
         if "results" in phases:
             sinks = os.environ.get("RESULTS_SINKS", "localstack,null").split(",")
             if "localstack" in sinks:
