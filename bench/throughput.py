@@ -6,6 +6,8 @@
     SOAK=600 .venv/bin/python bench/throughput.py
     PROFILE=1 .venv/bin/python bench/throughput.py  # adds a py-spy profile of a drain
     BASELINE=62e8dcf^ .venv/bin/python bench/throughput.py  # + old vs new code, interleaved
+    PEER=sqs-consumer .venv/bin/python bench/throughput.py  # + daemon vs bbc/sqs-consumer
+    PHASES=peer N=10000 ROUNDS=4 .venv/bin/python bench/throughput.py  # only that
 
 Starts a throwaway PostgreSQL (tests/servers.py) and LocalStack's SQS in host mode (no
 Docker; LocalStack 2026.3.0 on Python 3.13 in bench/.venv-localstack, made by
@@ -28,7 +30,8 @@ at a steady ~10 % of the others, 5,000 messages measure it as well as 20,000 do)
 (adds a ceiling + daemon pair through tests/faultproxy.FaultProxy injecting that delay on
 every SQS request), SOAK (seconds of steady load at SOAK_RATE msg/s, default 500;
 reports RSS at start and end), PROFILE=1 (one more daemon drain under ``py-spy record``,
-raw collapsed stacks + a summary), PHASES (default ``ceiling,naive,daemon``). INGEST_*
+raw collapsed stacks + a summary), PHASES (default ``ceiling,naive,daemon``; also
+``compare``, ``results``, ``peer``). INGEST_*
 variables set in the environment reach the daemon (and the ceiling's concurrency), so
 settings can be compared: ``INGEST_POLLERS=8 make bench``.
 
@@ -56,6 +59,34 @@ RESULTS_SINKS (default ``localstack,null``): the destination — a LocalStack qu
 shares this machine's two cores with the daemon, so the ratio also counts the destination's
 work), and/or ``null``, an in-process HTTP stub that accepts every SendMessageBatch at
 almost no cost: what results cost the daemon and PostgreSQL with a remote destination.
+
+The peer (issue 26): ``PEER=sqs-consumer make bench`` (or PHASES=peer, which only runs that)
+adds ROUNDS rounds of two drains, bbc/sqs-consumer and the daemon (this working tree, its
+defaults), in ABBA order (peer,daemon / daemon,peer / ...). The peer is bench/peer/peer.mjs
+on node (>= 20, on PATH): sqs-consumer 14.2.8 (the version the issue measured),
+@aws-sdk/client-sqs and pg, pinned in bench/peer/package.json and package-lock.json
+(integrity hashes, no ``resolved`` URLs: bench/peer/.npmrc sets
+omit-lockfile-registry-resolved, so npm takes the configured registry). The phase runs
+``npm ci`` into bench/peer/node_modules (gitignored) when the installed tree did not come
+from that lock file (a sha256 stamp), and checks the installed versions against package.json.
+The peer runs 8 ``Consumer.create`` instances (sqs-consumer has no concurrency option: one
+Consumer is one receive -> handle -> delete loop, so 8 consumers = at most 8 batches in
+flight; the daemon runs 8 pollers and 32 batches) sharing one SQSClient and a pg.Pool of 8,
+batchSize 10, 20 s long polls, and a ``handleMessageBatch`` that, in one transaction per
+batch, parses each body, checks it by hand, hashes the key-sorted payload, INSERTs the batch
+into ``modifications`` (status COMPLETED, completed_at = statement_timestamp()) with ``ON
+CONFLICT (request_id) DO NOTHING`` and upserts the inserted requests' entities with the
+reference handler's ``ON CONFLICT (entity_id) DO UPDATE ... WHERE e.version <
+EXCLUDED.version`` — one unnest statement each (PEER_STATEMENTS=each: two statements per
+message); then sqs-consumer deletes the batch (DeleteMessageBatch). It does not do what the
+daemon does besides: the separate claim statement and owner fencing, retries, dead letters,
+visibility heartbeats, metrics, logs. Each drain: a fresh queue and a fresh database
+(migrated by this code), N preloaded; both are measured alike — rate = N / (max - min
+``completed_at``) from the database, CPU per message = utime+stime of the consumer process
+(node's, the daemon's) from /proc over that window, LocalStack's and PostgreSQL's too — and
+every drain must leave N modifications and N entities. Reported: per round both drains, the
+medians, daemon/peer per round (msg/s, CPU per message) with their spread, and the CPU ratio
+against LocalStack's CPU in the same drain (the control, as in compare).
 
 Prints a table and writes everything as JSON to bench/results/ (gitignored).
 """
