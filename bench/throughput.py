@@ -1242,7 +1242,9 @@ def phase_peer_compare(env: Env, n: int, endpoint: str, rounds: int,
     paired["cpu_per_localstack_cpu"] = _spread([
         ratio(r, "cpu_us_per_msg") / ratio(r, "localstack_cpu_us_per_msg")
         for r in range(1, rounds + 1)])
+    dirty = bool(_git("status", "--porcelain", "--", "service", "migrations"))
     return {"label": "peer", "n": n, "rounds": rounds, "peer": peer, "per_code": per_code,
+            "daemon": {"commit": _git("rev-parse", "HEAD"), "dirty": dirty},
             "paired_ratio": paired,
             "per_round": [{k: ratio(r, k) for k in ("rate", "cpu_us_per_msg")}
                           for r in range(1, rounds + 1)],
@@ -1256,7 +1258,9 @@ def phase_peer_compare(env: Env, n: int, endpoint: str, rounds: int,
 def report_peer(c: dict[str, Any]) -> list[str]:
     p = c["peer"]
     pk = ", ".join(f"{k} {v}" for k, v in p["packages"].items())
-    lines = [f"daemon vs {p['peer']} (node {p['node']}; {pk}), N={c['n']}, {c['rounds']} "
+    dm = c["daemon"]
+    lines = [f"daemon ({dm['commit'][:7]}{', service/ or migrations/ dirty' if dm['dirty'] else ''})"
+             f" vs {p['peer']} (node {p['node']}; {pk}), N={c['n']}, {c['rounds']} "
              f"rounds ABBA (peer first)",
              f"{'round':<7}{'who':<8}{'msg/s':>9}{'CPU us/msg':>12}{'LS us':>8}{'PG us':>8}"
              f"{'RSS MB':>8}{'rows':>8}{'exit':>6}"]
