@@ -20,6 +20,7 @@ from service import metrics
 from service.errors import TransientError
 from service.seams import OutboxRow, ResultsSink
 from service.settings import Settings
+from service.useragent import user_agent
 
 log = structlog.get_logger("sqs_ingest.results")
 
@@ -124,12 +125,13 @@ async def results_sink(settings: Settings) -> AsyncIterator[ResultsSink]:
     """The configured destination with its own aiobotocore client (its own endpoint too:
     ``INGEST_RESULTS_ENDPOINT_URL``, default ``INGEST_SQS_ENDPOINT_URL``)."""
     service = "sns" if settings.results_topic_arn else "sqs"
+    session = get_session()
     config = AioConfig(connect_timeout=5, read_timeout=settings.results_send_timeout,
                        retries={"max_attempts": 2, "mode": "standard"},
                        # Entries are built here from typed values (as in service.sqs).
-                       parameter_validation=False)
+                       parameter_validation=False, user_agent=user_agent(session))
     endpoint = settings.results_endpoint_url or settings.sqs_endpoint_url
-    async with get_session().create_client(
+    async with session.create_client(
         service, region_name=settings.aws_region, endpoint_url=endpoint, config=config
     ) as client:
         if settings.results_topic_arn:

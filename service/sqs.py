@@ -14,6 +14,7 @@ from service import tracing
 from service.errors import AckFailed, TransientError
 from service.messages import Received
 from service.seams import QueueSeam
+from service.useragent import user_agent
 
 T = TypeVar("T")
 
@@ -236,6 +237,7 @@ async def sqs_client(
         # Requests are built by this module from typed values; botocore's per-call
         # validation is measurable CPU on the hot path (BENCHMARKS.md).
         parameter_validation=False,
+        user_agent=user_agent(session),
     )
     async with session.create_client(
         "sqs", region_name=region, endpoint_url=endpoint_url, config=config
