@@ -34,7 +34,9 @@ async def client(localstack: str) -> AsyncIterator[Any]:
 
 async def test_what_s3_answers_becomes_the_right_outcome(client: Any, bucket: str) -> None:
     payloads = S3Payloads(client, max_bytes=65_536, allowed=f"{bucket},no-such-{bucket}")
+    assert not client.made  # no pointer yet: S3's client (and its service model) not loaded
     big = await payloads.fetch(Pointer(bucket, "big"))
+    assert client.made
     assert isinstance(big, Refused) and big.reason == "payload_too_large"
     payloads.max_bytes = 1 << 20
     ok = await payloads.fetch(Pointer(bucket, "ok"))
