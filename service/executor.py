@@ -90,11 +90,14 @@ class PlanExecutor:
         if plan.acks:
             await self.queue.delete_batch(plan.acks)
             flight.resolve(plan.acks)
-        for type_, outcome in plan.outcomes:
-            metrics.messages_processed.labels(type_, outcome).inc()
+        # Counted per batch: one increment per (type, outcome), not one per message.
+        per_outcome: collections.Counter[str] = collections.Counter()
+        for (type_, outcome), n in collections.Counter(plan.outcomes).items():
+            metrics.messages_processed.labels(type_, outcome).inc(n)
+            per_outcome[outcome] += n
         # One line per batch, at debug only (a no-op call at info).
         log.debug("batch_processed", received=len(flight.batch), released=len(plan.releases),
-                  **collections.Counter(o for _, o in plan.outcomes))
+                  **per_outcome)
         # Releases and the deferrals that need no fresh copy: one ChangeMessageVisibility
         # call, as before deferrals had a name of their own.
         back = [*plan.releases, *await self._copy(plan.deferrals)] if plan.deferrals \
