@@ -58,7 +58,8 @@ class Bisection:
         its messages keeps failing far beyond the retry limit), split it and run the halves
         until the message at fault is found alone: only that one is dead-lettered, its
         neighbours go on in the same receive."""
-        part = await self._hold_back_groups(flight, part)
+        if flight.held_groups:  # a FIFO bisection's: every other batch skips the call
+            part = await self._hold_back_groups(flight, part)
         try:
             await self.process(flight, part)
         except (TransientError, AckFailed):
