@@ -103,9 +103,24 @@ class Maintenance:
             if not self.health.is_up:
                 continue
             try:
-                await self.store.heartbeat()
+                await self.beat()
             except DB_ERRORS as exc:
                 self.health.error(exc)
+
+    async def beat(self) -> None:
+        """Refresh this worker's heartbeat. A row that is gone — pruned after
+        ``INGEST_WORKER_RETENTION_DAYS`` without a heartbeat, while this process was paused
+        or cut off from the database — is registered again: else every claim it makes has
+        an unknown owner, which every other replica's GC collects at its next pass. A row
+        marked stopped (this worker is shutting down) stays stopped."""
+        if await self.store.heartbeat():
+            return
+        await self.store.register_worker(self.s.effective_worker_name)
+        if await self.store.heartbeat():
+            log.warning("worker_registered_again", worker_id=self.store.worker_id,
+                        hint="its row was gone (pruned): claims made meanwhile may have "
+                        "been collected by other replicas and are applied once by whoever "
+                        "completes them")
 
     async def _gc_loop(self) -> None:
         while True:

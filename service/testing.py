@@ -289,7 +289,7 @@ class FakeStore(FakeOutbox):
 
     async def register_worker(self, name: str) -> None:
         self._check()
-        self.db.workers[self.worker_id] = FakeWorker(name)
+        self.db.workers.setdefault(self.worker_id, FakeWorker(name))
 
     async def heartbeat(self) -> bool:
         self._check()

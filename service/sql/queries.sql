@@ -188,7 +188,10 @@ DELETE FROM outbox
                  FOR UPDATE SKIP LOCKED)
 
 -- name: register_worker
+-- Also how a running worker whose row was pruned comes back (service.maintenance.beat);
+-- a row that exists (stopped or not) is left as it is.
 INSERT INTO workers (worker_id, worker_name, hostname, pid) VALUES ($1, $2, $3, $4)
+ON CONFLICT (worker_id) DO NOTHING
 
 -- name: heartbeat
 UPDATE workers SET heartbeat_at = now() WHERE worker_id = $1 AND stopped_at IS NULL

@@ -517,6 +517,41 @@ async def test_worker_lifecycle_heartbeat_stop_and_own_leaks(
     assert await b.heartbeat() is True
 
 
+async def test_a_worker_whose_row_was_pruned_registers_again(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """The worker row pruned while the process was paused: the next beat puts it back
+    (else every new claim has an unknown owner, which other replicas' GC collects at once);
+    a row marked stopped is left stopped, and another worker's row is never touched."""
+    from types import SimpleNamespace
+
+    from service.maintenance import Maintenance
+    from service.retry import ReceiveLimit
+    from service.settings import Settings
+
+    a = await registered(pool, "w-a")
+    b = await registered(pool, "w-b")
+    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+                 worker_name="replica-a")
+    beat = Maintenance(s, None, a, SimpleNamespace(is_up=True),  # type: ignore[arg-type]
+                       [], 0.0, ReceiveLimit(5)).beat  # why: stand-ins for queue and health
+    await db.execute("DELETE FROM workers WHERE worker_id = 'w-a'")
+    await a.claim([msg("orphan-to-be")])
+    await beat()
+    row = await db.fetchrow("SELECT worker_name, stopped_at, heartbeat_at > now() - "
+                            "interval '1 minute' AS fresh FROM workers WHERE worker_id = 'w-a'")
+    assert row is not None and row["worker_name"] == "replica-a"
+    assert row["stopped_at"] is None and row["fresh"]
+    # Its claim is no orphan now: another replica's GC leaves it alone.
+    assert await b.gc(lease_seconds=60) == []
+
+    await a.stop_worker()
+    await beat()
+    assert await db.fetchval("SELECT stopped_at IS NOT NULL FROM workers "
+                             "WHERE worker_id = 'w-a'") is True
+    assert await db.fetchval("SELECT count(*) FROM workers") == 2
+
+
 async def test_ping_and_schema_check_against_the_real_database(
     pool: asyncpg.Pool, db: asyncpg.Connection
 ) -> None:
