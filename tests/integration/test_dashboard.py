@@ -166,12 +166,10 @@ def test_every_panel_query_returns_real_data(
     mods.mkdir()
     flaky_dir.mkdir()
     (mods / "dashboard_flaky_handler.py").write_text(FLAKY_HANDLER)
-    # One poller: moto's ReceiveMessage checks and marks a message visible without a lock,
-    # so two concurrent receives can both return it (SQS's at-least-once, made real). The
-    # daemon counts that second delivery as a duplicate, and this test counts outcomes
-    # exactly (it failed 12 vs 11 that way: change_visibility_failed on the copy the other
-    # receive had already acked).
-    env = daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1",
+    # The default pollers, counted exactly: the tests' moto guards each queue's receive
+    # with a lock (tests/moto_fifo.py; plain moto_server could hand one message to two
+    # concurrent receives and this test failed 12 vs 11 that way).
+    env = daemon_env(database_url, queue_url, sqs_endpoint,
                      INGEST_HANDLERS="dashboard_flaky_handler", TEST_FLAKY_DIR=str(flaky_dir),
                      PYTHONPATH=os.pathsep.join([str(mods), str(REPO)]))
     daemon = Daemon(env, tmp_path)

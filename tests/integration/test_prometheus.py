@@ -41,9 +41,10 @@ POISON = ["not json at all {", json.dumps({"request_id": "p-1", "type": "no.such
 @pytest.fixture
 def daemon(tmp_path: Path, database_url: str, queue_url: str,
            sqs_endpoint: str) -> Iterator[Daemon]:
-    # One poller: the tests count processed messages exactly, and moto can hand a message
-    # to two concurrent receives (README known issue; scripts/probes/moto_double_delivery.py).
-    d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1"), tmp_path)
+    # The default pollers: the tests count processed messages exactly, which holds because
+    # the tests' moto locks each queue's receive (tests/moto_fifo.py; plain moto_server can
+    # hand a message to two concurrent receives: scripts/probes/moto_double_delivery.py).
+    d = Daemon(daemon_env(database_url, queue_url, sqs_endpoint), tmp_path)
     try:
         yield d
     finally:

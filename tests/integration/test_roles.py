@@ -120,9 +120,9 @@ async def test_daemon_and_dlq_run_as_app_role_without_leaking_the_password(
     poison = f"poison {rid} not json"
     bodies = [upsert(f"{rid}-{i}", f"{rid}-e{i}", 1) for i in range(10)] + [poison]
 
-    # One poller: "== 11" counts exactly, and moto can hand a message to two concurrent
-    # receives (README known issue; scripts/probes/moto_double_delivery.py).
-    d = Daemon(daemon_env(dsn, queue_url, sqs_endpoint, INGEST_POLLERS="1"), tmp_path)
+    # The default pollers: "== 11" counts exactly, which holds because the tests' moto
+    # locks each queue's receive (tests/moto_fifo.py; scripts/probes/moto_double_delivery.py).
+    d = Daemon(daemon_env(dsn, queue_url, sqs_endpoint), tmp_path)
     try:
         d.start().wait_ready()
         send_all(sqs_client, queue_url, bodies)
