@@ -65,3 +65,52 @@ async def test_the_unlocked_claim_sends_twice(
     assert unlocked != Q["outbox_claim"]
     monkeypatch.setitem(Q, "outbox_claim", unlocked)
     await test_a_held_row_is_skipped_by_the_other_publisher(pool)
+
+
+# A FIFO destination's results leave in the order the batch completed them: the order of
+# the outbox ids, which complete_with_result assigns with `ORDER BY g.n` (the batch's
+# position). Without it the ids follow whatever order the join returns its rows in: the
+# batch's order under the hash join PostgreSQL picks for this batch today (it probes with the
+# batch's ids), request_id order under a merge join — a plan choice, not a promise. Each
+# join is forced here (planner settings in the DSN), and EXPLAIN shows it was the one used.
+PLANS = {
+    "hash_join": ({"enable_nestloop": "off", "enable_mergejoin": "off"}, "Hash Join"),
+    "merge_join": ({"enable_nestloop": "off", "enable_hashjoin": "off"}, "Merge Join"),
+    "nested_loop": ({"enable_hashjoin": "off", "enable_mergejoin": "off"}, "Nested Loop"),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+async def test_a_groups_results_leave_in_batch_order_whatever_the_join(
+    database_url: str, plan: str
+) -> None:
+    from tests.contract.test_store_contract import msg, ok
+
+    settings, node = PLANS[plan]
+    dsn = database_url + ("?" + "&".join(f"{k}={v}" for k, v in settings.items())
+                          if settings else "")
+    pool = await create_pool(dsn, 2)
+    try:
+        # Batch order is neither request_id order nor claim (heap) order: z…a, claimed a…z.
+        batch = [msg(f"r{c}", group="g" if i % 3 else "h") for i, c in
+                 enumerate("zyxwvutsrq")]
+        store = Store(pool, "w-a", results=True)
+        await store.register_worker("w-a")
+        await store.claim(sorted(batch, key=lambda m: m.request_id))
+        async with pool.acquire() as conn:
+            explained = "\n".join(r[0] for r in await conn.fetch(
+                "EXPLAIN " + Q["complete_with_result"], [m.request_id for m in batch],
+                ["{}"] * len(batch), "w-a", [m.raw.group_id for m in batch]))
+        assert node in explained, explained
+        res = await store.apply(batch, ok, fifo=True)
+        assert [m.request_id for m, _ in res.completed] == [m.request_id for m in batch]
+        sent: list[str] = []
+
+        async def send(rows: list[OutboxRow]) -> set[int]:
+            sent.extend(r.request_id for r in rows)
+            return {r.id for r in rows}
+
+        assert await store.publish_outbox(send, 100, fifo=True) == (10, 10)
+        assert sent == [m.request_id for m in batch]
+    finally:
+        await pool.close()
