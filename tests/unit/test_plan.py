@@ -204,3 +204,109 @@ def test_classify_returns_new_values_and_leaves_its_input_as_parsed() -> None:
     [to_apply] = c.to_apply
     assert (to_apply.request_id, to_apply.failures) == ("r1", 2)
     assert m.failures == 0 and to_apply is not m
+
+
+def test_merge_concatenates_every_list_and_adds_the_contention() -> None:
+    from service.pointers import Pointer
+    from service.seams import DeadLetter
+
+    def one(mid: str, contention: int) -> Plan:
+        r = raw(mid, note(mid))
+        p = Plan()
+        p.letter(r, DeadLetter.of_received(r, "invalid_json", mid), INVALID_TYPE_LABEL)
+        p.release(r, 1)
+        p.defer(r, 2)
+        p.offloaded.append(Pointer("b", mid))
+        p.lags.append(float(len(mid)))
+        p.contention = contention
+        return p
+
+    a, b = one("a", 2), one("bb", 3)
+    merged = a.merge(b)
+    assert merged is a
+    assert [d.sqs_message_id for d in merged.letters] == ["a", "bb"]
+    assert [r.message_id for r in merged.acks] == ["a", "bb"]
+    assert [(r.message_id, d) for r, d in merged.releases] == [("a", 1), ("bb", 1)]
+    assert [(r.message_id, d) for r, d in merged.deferrals] == [("a", 2), ("bb", 2)]
+    assert merged.outcomes == [(INVALID_TYPE_LABEL, "dead_lettered")] * 2
+    assert [p.key for p in merged.offloaded] == ["a", "bb"]
+    assert merged.dead_letter_reasons == ["invalid_json", "invalid_json"]
+    assert (merged.lags, merged.contention) == ([1.0, 2.0], 5)
+
+
+def test_hold_followers_orders_by_batch_position_without_sequence_numbers() -> None:
+    """A FIFO group's messages without a SequenceNumber are ordered by their place in the
+    batch as received (``position``): the later one waits as long as the earlier one."""
+    first, second = raw("x1", note("a"), group="g"), raw("x2", note("b"), group="g")
+    plan = Plan()
+    plan.release(first, 0)  # listed first, but received second
+    plan.defer(second, 6)
+    plan.hold_followers({"x2": 0, "x1": 1})
+    assert [(r.message_id, d) for r, d in plan.releases] == [("x1", 6)]
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("x2", 6)]
+
+
+def test_hold_behind_skips_messages_without_a_group_and_goes_on() -> None:
+    """A message without a group (sorted first) keeps its delay; the groups after it are
+    still held behind their heads."""
+    loose = raw("s1", note("s1"))
+    head, follower = raw("x1", note("a"), group="g", seq=1), raw("x2", note("b"), group="g",
+                                                                  seq=2)
+    assert hold_behind([(follower, 0), (loose, 3), (head, 7)]) == [
+        (follower, 7), (loose, 3), (head, 7)]
+
+
+def test_triage_parses_fetched_payloads_and_labels_poison_by_its_known_type() -> None:
+    from service.pointers import Fetched, Pointer
+
+    pointer_body = '["software.amazon.payloadoffloading.PayloadS3Pointer", {}]'
+    fetched = {"m1": Fetched(Pointer("b", "k"), note("r1").encode())}
+    bad = json.dumps({"request_id": "r2", "type": "note", "payload": {"n": "x"}})
+    t = triage([raw("m1", pointer_body), raw("m2", bad)], registry(), POLICY, fetched)
+    [m] = t.primaries
+    assert (m.request_id, m.pointer) == ("r1", Pointer("b", "k"))
+    # invalid_payload of a registered type: counted under that type, not the invalid label.
+    assert t.plan.outcomes == [("note", "dead_lettered")]
+    assert [(d.sqs_message_id, d.reason, d.request_id) for d in t.plan.letters] == [
+        ("m2", "invalid_payload", "r2")]
+
+
+def test_each_contended_claim_counts() -> None:
+    ms = [parsed("m1", "r1"), parsed("m2", "r2")]
+    busy = {r: claim(r, status="IN_PROGRESS", sha=ms[0].payload_sha256, owner="other")
+            for r in ("r1", "r2")}
+    c = classify(ms, busy, POLICY, fifo=False)
+    assert c.plan.contention == 2 and len(c.plan.deferrals) == 2
+
+
+def test_a_reused_key_is_lettered_with_what_it_was_used_with() -> None:
+    m = parsed("m1", "r1")
+    c = classify([m], {"r1": claim("r1", status="COMPLETED", sha="other-sha")}, POLICY,
+                 fifo=False)
+    [d] = c.plan.letters
+    assert (d.reason, d.error) == ("idempotency_key_reused",
+                                   "request_id already used with payload_sha256=other-sha "
+                                   "type=note")
+
+
+def test_settle_keeps_the_pointers_of_completed_requests_and_sub_second_lags() -> None:
+    from service.pointers import Pointer
+
+    done, plain = parsed("m1", "r1", sent=100.0), parsed("m2", "r2")
+    done.pointer = Pointer("b", "k")
+    plan = settle(ApplyResult(completed=[(done, None), (plain, None)], committed_at=100.25),
+                  POLICY)
+    assert plan.offloaded == [Pointer("b", "k")]
+    assert plan.lags == [0.25]
+
+
+def test_a_failure_on_the_last_receive_sqs_allows_is_final() -> None:
+    from service.retry import RedrivePolicy
+
+    limit = ReceiveLimit(5)
+    limit.policy = RedrivePolicy("arn:aws:sqs:us-east-1:000000000000:dlq", 9)
+    last, earlier = parsed("m1", "r1", receives=9), parsed("m2", "r2", receives=8)
+    plan = settle_failures([(last, "boom"), (earlier, "boom")], {"r1": 1, "r2": 1}, POLICY,
+                           limit)
+    assert [a.message_id for a in plan.acks] == ["m1"]
+    assert [r.message_id for r, _ in plan.releases] == ["m2"]
