@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.retry import Backoff, RetryPolicy
+from service.retry import Backoff, ReceiveLimit, RedrivePolicy, RetryPolicy
 
 
 def test_backoff_doubles_per_receive_with_equal_jitter_and_a_cap() -> None:
@@ -44,3 +44,87 @@ async def test_reconnect_backoff_doubles_to_its_cap_and_stops_on_the_event() -> 
     assert b.delay == 0.01
     stop.set()
     assert await Backoff(first=3600).wait(stop) is True  # returns at once when stopping
+
+
+def test_the_policy_is_read_from_the_settings() -> None:
+    from service.settings import Settings
+
+    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+                 retry_base_seconds=3, retry_max_seconds=70, contention_delay=11,
+                 max_receive_count=4)
+
+    def rng() -> float:
+        return 0.5
+
+    p = RetryPolicy.from_settings(s, rng)
+    assert (p.base_seconds, p.max_seconds, p.contention_seconds, p.max_failures, p.rng) == (
+        3, 70, 11, 4, rng)
+
+
+def redrive(value: str) -> dict[str, str]:
+    return {"RedrivePolicy": value}
+
+
+def test_the_queue_s_redrive_policy_is_read_or_none() -> None:
+    arn = "arn:aws:sqs:us-east-1:000000000000:dlq"
+    assert RedrivePolicy.from_attributes(redrive(
+        f'{{"deadLetterTargetArn":"{arn}","maxReceiveCount":7}}')) == RedrivePolicy(arn, 7)
+    # Some tools store the count as a string.
+    assert RedrivePolicy.from_attributes(redrive(
+        f'{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"3"}}')) == RedrivePolicy(arn, 3)
+    assert RedrivePolicy.from_attributes({}) is None
+    assert RedrivePolicy.from_attributes(redrive("")) is None
+    for unreadable in ("{not json", '{"maxReceiveCount":3}', f'{{"deadLetterTargetArn":"{arn}"}}',
+                       f'{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"x"}}', "[1]"):
+        assert RedrivePolicy.from_attributes(redrive(unreadable)) is None, unreadable
+
+
+def with_policy(configured: int, max_receive_count: int, fifo: bool = False) -> ReceiveLimit:
+    limit = ReceiveLimit(configured, fifo) if fifo else ReceiveLimit(configured)
+    limit.policy = RedrivePolicy("arn:aws:sqs:us-east-1:000000000000:dlq", max_receive_count)
+    return limit
+
+
+def test_the_receive_limit_under_a_redrive_policy() -> None:
+    assert ReceiveLimit(5).max_failures == 5 and not ReceiveLimit(5).last_receive(99)
+    limit = with_policy(5, 3)
+    assert limit.max_failures == 3  # lowered by the policy
+    assert [limit.last_receive(n) for n in (2, 3, 4)] == [False, True, True]
+    # On SQS's last receive a first failure is already final.
+    assert limit.exhausted(1, 3) and not limit.exhausted(1, 2) and limit.exhausted(3, 1)
+    assert with_policy(2, 9).max_failures == 2
+
+
+def test_a_fresh_copy_only_when_a_hand_back_would_leave_too_few_receives() -> None:
+    """Standard queue: when fewer receives are left than the daemon's tries. FIFO: only when
+    the next receive would move it (a copy goes behind its group's later messages)."""
+    assert not ReceiveLimit(2).must_requeue(99)  # no policy: SQS never moves it
+    standard = with_policy(2, 5)
+    assert [standard.must_requeue(n) for n in (1, 2, 3, 4, 5)] == [False] * 3 + [True] * 2
+    fifo = with_policy(2, 5, fifo=True)
+    assert fifo.fifo is True and ReceiveLimit(2).fifo is False
+    assert [fifo.must_requeue(n) for n in (3, 4, 5, 6)] == [False, False, True, True]
+
+
+def test_update_takes_the_policy_and_says_whether_it_changed() -> None:
+    arn = "arn:aws:sqs:us-east-1:000000000000:dlq"
+    limit = ReceiveLimit(5)
+    seven = redrive(f'{{"deadLetterTargetArn":"{arn}","maxReceiveCount":7}}')
+    assert limit.update(seven) is True and limit.policy == RedrivePolicy(arn, 7)
+    assert limit.update(seven) is False and limit.policy == RedrivePolicy(arn, 7)
+    assert limit.update(redrive(seven["RedrivePolicy"].replace("7", "3"))) is True
+    assert limit.max_failures == 3
+    assert limit.update({}) is True and limit.policy is None and limit.max_failures == 5
+    assert limit.update({}) is False
+
+
+async def test_wait_any_returns_when_one_event_is_set() -> None:
+    from service.retry import wait_any
+
+    a, b = asyncio.Event(), asyncio.Event()
+    asyncio.get_running_loop().call_soon(b.set)
+    await asyncio.wait_for(wait_any(a, b), 10)
+    assert b.is_set() and not a.is_set()
+    pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    await asyncio.sleep(0)
+    assert all(t.done() for t in pending)  # the other waiter is cancelled, not leaked
