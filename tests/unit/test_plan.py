@@ -310,3 +310,79 @@ def test_a_failure_on_the_last_receive_sqs_allows_is_final() -> None:
                            limit)
     assert [a.message_id for a in plan.acks] == ["m1"]
     assert [r.message_id for r, _ in plan.releases] == ["m2"]
+
+
+def test_plan_unresolved_decides_every_kind_of_unread_payload() -> None:
+    """Each branch, with literal expectations (POLICY: backoff(3) = 4 s, contention 2 s)."""
+    from service.plan import plan_unresolved
+    from service.pointers import Pointer, Refused, Unreachable
+    from service.seams import KnownPointer
+
+    def p(key: str) -> Pointer:
+        return Pointer("b", key)
+
+    known = {p("done").uri: KnownPointer("r-done", "note", "COMPLETED"),
+             p("busy").uri: KnownPointer("r-busy", "note", "IN_PROGRESS"),
+             p("done-big").uri: KnownPointer("r-big", "note", "COMPLETED")}
+    refused_for = {p("denied-long").uri: 7200.4, p("denied-edge").uri: 3600.0,
+                   p("denied-new").uri: 10.0, p("down-long").uri: 7200.0}
+    cases = [
+        # S3 failed, the request is COMPLETED: its duplicate, whatever S3 says.
+        ("u-done", Unreachable(p("done"), "503", "server")),
+        # S3 failed, the request still running or unknown: deferred with the backoff.
+        ("u-busy", Unreachable(p("busy"), "503", "server")),
+        ("u-new", Unreachable(p("new"), "timeout", "network")),
+        # Refused by S3 for INGEST_S3_UNREADABLE_AFTER or longer: a dead letter.
+        ("u-denied-long", Unreachable(p("denied-long"), "AccessDenied", "access_denied")),
+        ("u-denied-edge", Unreachable(p("denied-edge"), "KMS", "client")),
+        # Refused, not for long enough, or never counted: deferred.
+        ("u-denied-new", Unreachable(p("denied-new"), "AccessDenied", "access_denied")),
+        ("u-denied-uncounted", Unreachable(p("denied-x"), "AccessDenied", "access_denied")),
+        # Not a refusal (S3 did not answer): deferred however long it lasts.
+        ("u-down-long", Unreachable(p("down-long"), "timeout", "network")),
+        # The object is gone: a duplicate of a COMPLETED request, a contention while its
+        # request runs, a dead letter otherwise.
+        ("r-missing-done", Refused(p("done"), "payload_object_missing", "NoSuchKey")),
+        ("r-missing-busy", Refused(p("busy"), "payload_object_missing", "NoSuchKey")),
+        ("r-missing-busy2", Refused(p("busy"), "payload_object_missing", "NoSuchKey")),
+        ("r-missing-new", Refused(p("new"), "payload_object_missing", "NoSuchKey")),
+        # Any other refusal is a dead letter, even when its pointer is known.
+        ("r-big", Refused(p("done-big"), "payload_too_large", "too large")),
+        ("r-envelope", Refused(None, "invalid_envelope", "not a pointer")),
+    ]
+    unresolved = [(raw(mid, f"body-{mid}", receives=3), r) for mid, r in cases]
+    plan = plan_unresolved(unresolved, known, POLICY, refused_for, unreadable_after=3600.0)
+    assert [r.message_id for r in plan.acks] == [
+        "u-done", "u-denied-long", "u-denied-edge", "r-missing-done", "r-missing-new",
+        "r-big", "r-envelope"]
+    assert plan.outcomes == [
+        ("note", "duplicate"), (INVALID_TYPE_LABEL, "dead_lettered"),
+        (INVALID_TYPE_LABEL, "dead_lettered"), ("note", "duplicate"),
+        (INVALID_TYPE_LABEL, "dead_lettered"), (INVALID_TYPE_LABEL, "dead_lettered"),
+        (INVALID_TYPE_LABEL, "dead_lettered")]
+    assert [(d.sqs_message_id, d.reason, d.error, d.body, d.request_id, d.receive_count)
+            for d in plan.letters] == [
+        ("u-denied-long", "payload_unreadable", "AccessDenied (refused for 7200 s since the "
+         "first refusal, INGEST_S3_UNREADABLE_AFTER=3600)", "body-u-denied-long", None, 3),
+        ("u-denied-edge", "payload_unreadable", "KMS (refused for 3600 s since the first "
+         "refusal, INGEST_S3_UNREADABLE_AFTER=3600)", "body-u-denied-edge", None, 3),
+        ("r-missing-new", "payload_object_missing", "NoSuchKey", "body-r-missing-new", None, 3),
+        ("r-big", "payload_too_large", "too large", "body-r-big", None, 3),
+        ("r-envelope", "invalid_envelope", "not a pointer", "body-r-envelope", None, 3)]
+    assert plan.dead_letter_reasons == ["payload_unreadable", "payload_unreadable",
+                                        "payload_object_missing", "payload_too_large",
+                                        "invalid_envelope"]
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [
+        ("u-busy", 4), ("u-new", 4), ("u-denied-new", 4), ("u-denied-uncounted", 4),
+        ("u-down-long", 4), ("r-missing-busy", 2), ("r-missing-busy2", 2)]
+    assert plan.contention == 2 and plan.releases == []
+
+
+def test_plan_unresolved_without_refusal_ages_defers_every_refusal() -> None:
+    from service.plan import plan_unresolved
+    from service.pointers import Pointer, Unreachable
+
+    denied = Unreachable(Pointer("b", "k"), "AccessDenied", "access_denied")
+    plan = plan_unresolved([(raw("m1", "body", receives=1), denied)], {}, POLICY)
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("m1", 1)]
+    assert plan.letters == [] and plan.acks == []
