@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -779,3 +780,22 @@ async def test_gc_releases_a_claim_whose_owner_has_no_worker_row(
     await ghost.claim([msg("haunted")])
     released = await gc_by.gc(lease_seconds=30)
     assert [(r["request_id"], r["owner"]) for r in released] == [("haunted", "w-ghost")]
+
+
+async def test_claim_stores_the_payload_and_sent_at_and_answers_per_request(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """The claim row keeps what was sent (the payload, the envelope's sent_at) and the
+    answer names each request (ClaimResult.request_id, as the fake's)."""
+    from datetime import UTC, datetime
+
+    a = await registered(pool, "w-a")
+    sent = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    m1, m2 = msg("r1", data={"k": [1, 2]}), msg("r2")
+    m1.sent_at = sent
+    res = await a.claim([m2, m1])
+    assert {rid: c.request_id for rid, c in res.items()} == {"r1": "r1", "r2": "r2"}
+    rows = await db.fetch("SELECT request_id, payload, sent_at FROM modifications ORDER BY 1")
+    assert [(r["request_id"], json.loads(r["payload"]), r["sent_at"]) for r in rows] == [
+        ("r1", {"entity_id": "e-r1", "version": 1, "data": {"k": [1, 2]}}, sent),
+        ("r2", {"entity_id": "e-r2", "version": 1, "data": {"v": 1}}, None)]
