@@ -326,7 +326,7 @@ def test_plan_unresolved_decides_every_kind_of_unread_payload() -> None:
              p("done-big").uri: KnownPointer("r-big", "note", "COMPLETED")}
     refused_for = {p("denied-long").uri: 7200.4, p("denied-edge").uri: 3600.0,
                    p("denied-new").uri: 10.0, p("down-long").uri: 7200.0}
-    cases = [
+    cases: list[tuple[str, Refused | Unreachable]] = [
         # S3 failed, the request is COMPLETED: its duplicate, whatever S3 says.
         ("u-done", Unreachable(p("done"), "503", "server")),
         # S3 failed, the request still running or unknown: deferred with the backoff.
