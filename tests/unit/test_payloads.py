@@ -594,3 +594,78 @@ async def test_a_refusal_past_the_bound_is_a_dead_letter_and_an_outage_never_is(
     assert "INGEST_S3_UNREADABLE_AFTER=60" in (d.error or "")
     assert m2 in rig.queue.messages and m2 not in rig.store.dead
     assert rig.queue.dead_lettered_by_sqs == []
+
+
+class _Session:
+    """A stand-in for the aiobotocore session: records each client it makes and whether
+    that client was closed."""
+
+    def __init__(self) -> None:
+        self.made: list[dict[str, Any]] = []
+        self.closed = 0
+
+    def user_agent(self) -> str:
+        return "aiobotocore/0 Python/3 Linux/6 botocore/1"
+
+    user_agent_extra = "botocore/1"
+
+    def create_client(self, service: str, **kwargs: Any) -> Any:
+        session = self
+
+        class Made:
+            async def __aenter__(self) -> Any:
+                await asyncio.sleep(0)  # a concurrent first call arrives meanwhile
+                session.made.append({"service": service, **kwargs})
+
+                class Client:
+                    async def get_object(self, **kw: Any) -> Any:
+                        return ("get", kw)
+
+                    async def delete_object(self, **kw: Any) -> Any:
+                        return ("delete", kw)
+
+                return Client()
+
+            async def __aexit__(self, *exc: object) -> None:
+                session.closed += 1
+
+        return Made()
+
+
+async def test_the_s3_client_is_made_once_at_the_first_call_and_closed_with_its_block() -> None:
+    from service.payloads import s3_client
+
+    session = _Session()
+    async with s3_client(session, "eu-west-1", "http://127.0.0.1:9", 7) as s3:
+        assert not s3.made and session.made == []  # no pointer yet: no client
+        got = await asyncio.gather(s3.get_object(Bucket="b", Key="k"),
+                                   s3.delete_object(Bucket="b", Key="j"))
+        assert got == [("get", {"Bucket": "b", "Key": "k"}),
+                       ("delete", {"Bucket": "b", "Key": "j"})]
+        assert s3.made and len(session.made) == 1  # two concurrent first calls, one client
+        assert await s3.get_object(Bucket="b", Key="x") == ("get", {"Bucket": "b", "Key": "x"})
+        assert len(session.made) == 1 and session.closed == 0
+    assert session.closed == 1
+    made = session.made[0]
+    assert made["service"] == "s3" and made["region_name"] == "eu-west-1"
+    assert made["endpoint_url"] == "http://127.0.0.1:9"
+    config = made["config"]
+    assert config.max_pool_connections == 7
+    assert config.s3 == {"addressing_style": "path"}  # a custom endpoint: path addressing
+    assert config.user_agent == "sqs-ingest/0.1.0 aiobotocore/0 Python/3 Linux/6"
+    assert (config.connect_timeout, config.read_timeout) == (5, 30)
+    assert config.retries == {"max_attempts": 3, "mode": "standard"}
+
+
+async def test_aws_s3_itself_is_addressed_by_virtual_host_and_an_unused_client_never_made() -> None:
+    from service.payloads import s3_client
+
+    session = _Session()
+    async with s3_client(session, "us-east-1", None) as s3:
+        await s3.get_object(Bucket="b", Key="k")
+    assert session.made[0]["config"].s3 is None and session.made[0]["endpoint_url"] is None
+    assert session.made[0]["config"].max_pool_connections == 50
+    unused = _Session()
+    async with s3_client(unused, "us-east-1", None):
+        pass
+    assert unused.made == [] and unused.closed == 0
