@@ -180,16 +180,18 @@ async def two_session_claim(database_url: str, claim_fn: Any) -> None:
         await asyncio.sleep(0)  # A has looked (racy) or is inserting (real)
         b_pid = b.get_server_pid()
         task_b = asyncio.create_task(claim_fn(b, [msg("same", mid="m-other")], "w-b"))
-        # B either blocks on A's uncommitted row, or (racy) has finished looking.
+        # B either blocks on A's uncommitted row, or (racy) has finished looking. Bounded,
+        # and loud when the bound passes: going on would let B look after A's commit, and
+        # the racy twin would pass (it XPASSed once in mutmut's traced stats run at load 14,
+        # likely so: not shown).
         watcher = await asyncpg.connect(database_url)
         try:
-            for _ in range(500):
-                if task_b.done():
-                    break
-                waiting = await watcher.fetchval(
-                    "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", b_pid)
-                if waiting:
-                    break
+            deadline = asyncio.get_running_loop().time() + 60
+            while not task_b.done() and not await watcher.fetchval(
+                    "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1",
+                    b_pid):
+                assert asyncio.get_running_loop().time() < deadline, \
+                    "B neither finished nor waited on A's lock within 60 s"
                 await asyncio.sleep(0.01)
         finally:
             await watcher.close()
