@@ -439,6 +439,21 @@ async def test_fifo_lost_claim_blocks_only_what_follows_it(backend: Backend) -> 
     assert [m.request_id for m in res.blocked] == ["g3"]
 
 
+async def test_a_lost_claim_blocks_nothing_on_a_standard_queue(backend: Backend) -> None:
+    """The FIFO rule above is for FIFO queues only: on a standard queue messages that carry
+    a MessageGroupId (fair queues) are not held behind a lost claim of their group."""
+    a = await backend.store("w-a")
+    b = await backend.store("w-b")
+    await a.claim([msg("g1", group="G")])
+    await b.claim([msg("g2", group="G")])  # not ours: lost for a
+    await a.claim([msg("g3", group="G")])
+    res = await a.apply([msg("g1", group="G"), msg("g2", group="G"), msg("g3", group="G")],
+                        ok, fifo=False)
+    assert [m.request_id for m, _ in res.completed] == ["g1", "g3"]
+    assert [m.request_id for m in res.lost] == ["g2"]
+    assert res.blocked == []
+
+
 def offloaded(rid: str, key: str, attributes: dict[str, Any] | None = None) -> Message:
     """A message whose payload came from S3 (``key``), with message attributes."""
     from service import attributes as attrs
