@@ -1,24 +1,41 @@
-"""Benchmark of the reconciliation job: 1,000,000 modifications in each of two databases.
+"""Benchmark of the reconciliation job against its read-only floor: 1,000,000
+modifications in each of two databases.
 
     .venv/bin/python bench/reconcile_bench.py [--rows 1000000] [--master local[2]]
+        [--partitions 8] [--baseline COMMIT] [--order floor,job,job,floor]
 
 Starts a throwaway PostgreSQL on loopback, fills a primary and a peer server-side
 (``INSERT … SELECT generate_series``) with the same stream, plants a few discrepancies,
-then runs ``sqs-ingest reconcile`` as a subprocess and reports its wall time and the peak
-resident memory of its whole process tree (the Python driver plus the Spark JVM), sampled
-from /proc. Prints one JSON line.
+then, against those same two databases, runs in ``--order``:
+
+* ``floor``: bench/reconcile_floor.py — the same Spark session reading every row and column
+  the job reads over JDBC (the job's own ``io`` reads: same SQL, options, partitioning),
+  materialised through Spark's ``noop`` sink, nothing else;
+* ``job``: ``sqs-ingest reconcile`` from this worktree, as a subprocess;
+* ``base``: the same from ``--baseline``'s ``service/`` (old vs new in one run).
+
+Each run is a fresh process (Python + JVM). For each it reports the wall time (process
+start to exit), the Spark part (the job's ``duration_seconds``: ``job.run``; the floor's
+reads), and the peak resident memory of its whole process tree (the Python driver plus the
+Spark JVM), sampled from /proc. Every job run must find exactly the planted discrepancies
+and write the same rows (details included) as the first job run. Prints one JSON line per
+run on stderr, then the report (means and ratios to the floor) on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -72,6 +89,8 @@ TAMPER_PEER = [
     "UPDATE entities SET version = version + 100 WHERE entity_id IN ('ent-1', 'ent-2', 'ent-3')",
 ]
 EXPECTED_TOTAL = 100 + 10 + 5 * 2 + 3  # stuck claims are also status mismatches
+# Interleaved so that drift over the run (caches warming, other load) hits both sides alike.
+DEFAULT_ORDER = {False: "floor,job,job,floor", True: "floor,base,job,job,base,floor"}
 
 
 async def prepare(admin_dsn: str, dsn_of, rows: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -131,25 +150,11 @@ def tree_rss_bytes(root: int) -> int:
     return total
 
 
-def run_job(primary: str, peer: str, master: str, partitions: int) -> dict[str, object]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "service.reconcile.cli",
-        "--date",
-        RUN_DATE,
-        "--database-url",
-        primary,
-        "--peer-url",
-        peer,
-        "--master",
-        master,
-        "--partitions",
-        str(partitions),
-    ]
+def run_child(cmd: list[str], cwd: Path) -> dict[str, Any]:
+    """Run one child to its end: wall time, peak RSS of its process tree, last stdout line."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     peak = 0
     while proc.poll() is None:
@@ -166,35 +171,133 @@ def run_job(primary: str, peer: str, master: str, partitions: int) -> dict[str, 
     }
 
 
+def job_args(primary: str, peer: str, master: str, partitions: int) -> list[str]:
+    """The arguments of ``sqs-ingest reconcile`` the job and the floor both get."""
+    return [
+        "--date", RUN_DATE, "--database-url", primary, "--peer-url", peer,
+        "--master", master, "--partitions", str(partitions),
+    ]  # fmt: skip
+
+
+def run_job(argv: list[str], code: Path) -> dict[str, Any]:
+    """``sqs-ingest reconcile`` as a subprocess, from the ``service/`` under ``code``."""
+    result = run_child([sys.executable, "-m", "service.reconcile.cli", *argv], code)
+    summary = result.pop("summary") or {}
+    result["spark_seconds"] = summary.get("duration_seconds")
+    result["counts"] = summary.get("counts")
+    result["total"] = summary.get("total")
+    return result
+
+
+def run_floor(argv: list[str]) -> dict[str, Any]:
+    """bench/reconcile_floor.py as a subprocess: the job's reads and nothing else."""
+    result = run_child([sys.executable, str(ROOT / "bench" / "reconcile_floor.py"), *argv], ROOT)
+    summary = result.pop("summary") or {}
+    result["spark_seconds"] = summary.get("reads_seconds")
+    result["reads"] = summary.get("reads")
+    result["rows"] = summary.get("rows")
+    return result
+
+
+async def stored_discrepancies(dsn: str) -> list[tuple[Any, ...]]:
+    """What the last run wrote, in a fixed order: compared between runs."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT kind, request_id, entity_id, source, details"
+            " FROM reconciliation_discrepancies ORDER BY 1, 2, 3, 4, 5"
+        )
+    finally:
+        await conn.close()
+    return [tuple(r) for r in rows]
+
+
+@contextlib.contextmanager
+def checkout(commit: str | None) -> Iterator[Path]:
+    """``service/`` of ``commit`` in a temporary directory (the worktree itself if None)."""
+    if commit is None:
+        yield ROOT
+        return
+    with tempfile.TemporaryDirectory(prefix="reconcile-base-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", commit, "service"],
+            check=True, capture_output=True,
+        ).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        yield Path(tmp)
+
+
+def ratios(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Mean ``key`` of each kind of run, and each job kind's mean over the floor's mean."""
+    means: dict[str, float] = {}
+    for kind in sorted({r["run"] for r in runs}):
+        values = [r[key] for r in runs if r["run"] == kind and r.get(key) is not None]
+        if values:
+            means[kind] = round(sum(values) / len(values), 2)
+    out: dict[str, Any] = {"mean": means}
+    if "floor" in means:
+        for kind, value in means.items():
+            if kind != "floor":
+                out[f"{kind}_over_floor"] = round(value / means["floor"], 3)
+    if "job" in means and "base" in means:
+        out["job_over_base"] = round(means["job"] / means["base"], 3)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument(
+        "--baseline", default=None, help="also run the job of this commit's service/ (as 'base')"
+    )
+    parser.add_argument(
+        "--order",
+        default=None,
+        help="comma-separated runs of floor, job, base (default floor,job,job,floor;"
+        " with --baseline floor,base,job,job,base,floor)",
+    )
     args = parser.parse_args()
-    with postgres_server() as pg:
+    order = (args.order or DEFAULT_ORDER[args.baseline is not None]).split(",")
+    if "base" in order and not args.baseline:
+        parser.error("'base' in --order needs --baseline")
+    runs: list[dict[str, Any]] = []
+    results: dict[str, list[tuple[Any, ...]]] = {}
+    with postgres_server() as pg, checkout(args.baseline) as base_code:
         timings = asyncio.run(prepare(pg.dsn(), pg.dsn, args.rows))
+        argv = job_args(pg.dsn("bench_primary"), pg.dsn("bench_peer"), args.master, args.partitions)
         if os.environ.get("BENCH_KEEP"):
             print(pg.dsn("bench_primary"), pg.dsn("bench_peer"), flush=True)
             input("press enter to run the job")
-        result = run_job(
-            pg.dsn("bench_primary"), pg.dsn("bench_peer"), args.master, args.partitions
-        )
-    summary = result.get("summary") or {}
+        for i, kind in enumerate(order):
+            if kind == "floor":
+                result = run_floor(argv)
+            else:
+                result = run_job(argv, base_code if kind == "base" else ROOT)
+                written = asyncio.run(stored_discrepancies(pg.dsn("bench_primary")))
+                result["same_results_as_first_job"] = results.setdefault("first", written) == written
+            runs.append({"i": i, "run": kind, **result})
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    jobs = [r for r in runs if r["run"] != "floor"]
     report = {
         "rows_per_database": args.rows,
         "master": args.master,
         "partitions": args.partitions,
+        "baseline": args.baseline,
+        "order": order,
         **timings,
-        "job_wall_seconds": result["wall_seconds"],
-        "job_peak_rss_mib": result["peak_rss_mib"],
-        "exit_code": result["exit_code"],
-        "discrepancies": summary.get("counts") if isinstance(summary, dict) else None,
+        "wall_seconds": ratios(runs, "wall_seconds"),
+        "spark_seconds": ratios(runs, "spark_seconds"),
+        "runs": runs,
         "expected_total": EXPECTED_TOTAL,
     }
     print(json.dumps(report))
-    ok = isinstance(summary, dict) and summary.get("total") == EXPECTED_TOTAL
-    return 0 if ok and result["exit_code"] == 1 else 1
+    ok = all(
+        r["exit_code"] == 1 and r["total"] == EXPECTED_TOTAL and r["same_results_as_first_job"]
+        for r in jobs
+    ) and all(r["exit_code"] == 0 for r in runs if r["run"] == "floor")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
