@@ -66,13 +66,8 @@ def _discrepancy(
 ) -> DataFrame:
     from pyspark.sql import functions as F
 
-    src = F.lit(source) if isinstance(source, str) else source
     return df.select(
-        F.lit(kind).alias("kind"),
-        (request_id if request_id is not None else F.lit(None)).cast("string").alias("request_id"),
-        (entity_id if entity_id is not None else F.lit(None)).cast("string").alias("entity_id"),
-        src.cast("string").alias("source"),
-        F.to_json(details).alias("details"),
+        *_discrepancy_columns(_Check(F.lit(True), kind, request_id, entity_id, source, details))
     )
 
 
@@ -124,13 +119,57 @@ def compare_databases(
         _in_window(F.col("p_received_at"), window) | _in_window(F.col("q_received_at"), window)
     )
     sides = _Sides(window, inflight_cutoff, peer_label)
-    return union_discrepancies(
+    # One pass over one join: every check is a conditional row of the same select. A
+    # union of one filtered frame per check would make the optimizer push each check's
+    # own filters below the join, so that no exchange is shared and both sides are
+    # shuffled (and the join done) once per check.
+    return _checks(
+        joined,
         [
-            sides.missing(joined, have="p", lack="q"),
-            sides.missing(joined, have="q", lack="p"),
-            *sides.mismatches(joined),
-        ]
+            sides.missing(have="p", lack="q"),
+            sides.missing(have="q", lack="p"),
+            *sides.mismatches(),
+        ],
     )
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One check over a frame: the rows where ``when`` holds, as discrepancies."""
+
+    when: Column
+    kind: str
+    request_id: Column | None
+    entity_id: Column | None
+    source: Column | str
+    details: Column
+
+
+def _checks(df: DataFrame, checks: list[_Check]) -> DataFrame:
+    """The discrepancies of every check over ``df``, in one pass: each row becomes as
+    many discrepancies as checks it fails (zero, one or more)."""
+    from pyspark.sql import functions as F
+
+    candidates = [
+        F.when(c.when, F.struct(*_discrepancy_columns(c))) for c in checks
+    ]
+    return df.select(F.inline(F.array_compact(F.array(*candidates))))
+
+
+def _discrepancy_columns(c: _Check) -> list[Column]:
+    """The columns of :data:`DISCREPANCY_SCHEMA` for one check."""
+    from pyspark.sql import functions as F
+
+    src = F.lit(c.source) if isinstance(c.source, str) else c.source
+    return [
+        F.lit(c.kind).alias("kind"),
+        (c.request_id if c.request_id is not None else F.lit(None))
+        .cast("string")
+        .alias("request_id"),
+        (c.entity_id if c.entity_id is not None else F.lit(None)).cast("string").alias("entity_id"),
+        src.cast("string").alias("source"),
+        F.to_json(c.details).alias("details"),
+    ]
 
 
 @dataclass(frozen=True)
@@ -146,19 +185,17 @@ class _Sides:
 
         return F.col(f"{prefix}_received_at") < F.lit(self.inflight_cutoff)
 
-    def missing(self, joined: DataFrame, *, have: str, lack: str) -> DataFrame:
+    def missing(self, *, have: str, lack: str) -> _Check:
         """Requests only side ``have`` holds, received in the window and settled there."""
         from pyspark.sql import functions as F
 
         label = {"p": "primary", "q": self.peer_label}
         kind = "missing_in_peer" if lack == "q" else "missing_in_primary"
-        return _discrepancy(
-            joined.where(
-                F.col(f"{have}_id").isNotNull()
-                & ~F.col(f"{lack}_id").isNotNull()
-                & _in_window(F.col(f"{have}_received_at"), self.window)
-                & self.settled(have)
-            ),
+        return _Check(
+            F.col(f"{have}_id").isNotNull()
+            & ~F.col(f"{lack}_id").isNotNull()
+            & _in_window(F.col(f"{have}_received_at"), self.window)
+            & self.settled(have),
             kind,
             F.col(f"{have}_request_id"),
             None,
@@ -170,25 +207,25 @@ class _Sides:
             ),
         )
 
-    def mismatches(self, joined: DataFrame) -> list[DataFrame]:
+    def mismatches(self) -> list[_Check]:
         """``status_mismatch`` and ``payload_mismatch`` of requests both sides hold."""
         from pyspark.sql import functions as F
 
-        both = joined.where(F.col("p_id").isNotNull() & F.col("q_id").isNotNull())
+        both = F.col("p_id").isNotNull() & F.col("q_id").isNotNull()
         # A claim younger than the threshold is simply still being applied on that side.
         in_progress_is_settled = F.when(
             F.col("p_status") == "IN_PROGRESS", self.settled("p")
         ).otherwise(self.settled("q"))
-        status_mismatch = _discrepancy(
-            both.where((F.col("p_status") != F.col("q_status")) & in_progress_is_settled),
+        status_mismatch = _Check(
+            both & (F.col("p_status") != F.col("q_status")) & in_progress_is_settled,
             "status_mismatch",
             F.col("p_request_id"),
             None,
             self.peer_label,
             F.struct(_side("p").alias("primary"), _side("q").alias("peer")),
         )
-        payload_mismatch = _discrepancy(
-            both.where(~F.col("p_payload_sha256").eqNullSafe(F.col("q_payload_sha256"))),
+        payload_mismatch = _Check(
+            both & ~F.col("p_payload_sha256").eqNullSafe(F.col("q_payload_sha256")),
             "payload_mismatch",
             F.col("p_request_id"),
             None,
@@ -219,10 +256,17 @@ def replay_entities(entity_mods: DataFrame) -> DataFrame:
 
     Returns ``entity_id, version, deleted, data_md5, request_id``.
     """
+    return _replay(entity_mods).drop("last_completed_at")
+
+
+def _replay(entity_mods: DataFrame) -> DataFrame:
+    """:func:`replay_entities` plus ``last_completed_at``, the latest ``completed_at`` of
+    the entity's modifications (computed in the same window: no second shuffle or sort)."""
     from pyspark.sql import Window as W
     from pyspark.sql import functions as F
 
-    order = W.partitionBy("entity_id").orderBy(
+    entity = W.partitionBy("entity_id")
+    order = entity.orderBy(
         F.col("version").desc_nulls_last(),
         F.col("completed_at").asc_nulls_last(),
         F.col("id").asc(),
@@ -230,6 +274,7 @@ def replay_entities(entity_mods: DataFrame) -> DataFrame:
     winners = (
         entity_mods.where(F.col("entity_id").isNotNull())
         .withColumn("_rank", F.row_number().over(order))
+        .withColumn("_last_completed_at", F.max("completed_at").over(entity))
         .where(F.col("_rank") == 1)
     )
     is_delete = F.col("request_type") == DELETE
@@ -241,6 +286,7 @@ def replay_entities(entity_mods: DataFrame) -> DataFrame:
         .otherwise(F.col("data_md5"))
         .alias("data_md5"),
         "request_id",
+        F.col("_last_completed_at").alias("last_completed_at"),
     )
 
 
@@ -301,24 +347,28 @@ def _settled_states(
     without the entities written or modified after the cutoff."""
     from pyspark.sql import functions as F
 
-    expected = replay_entities(entity_mods)
-    unsettled = (
-        entity_mods.where(F.col("completed_at") >= F.lit(inflight_cutoff))
-        .select("entity_id")
-        .union(entities.where(F.col("updated_at") >= F.lit(inflight_cutoff)).select("entity_id"))
-        .distinct()
-    )
+    cutoff = F.lit(inflight_cutoff)
     fields = _ENTITY_FIELDS
     e = entities.select(
-        F.col("entity_id").alias("e_entity_id"), *[F.col(c).alias(f"e_{c}") for c in fields]
+        F.col("entity_id").alias("e_entity_id"),
+        *[F.col(c).alias(f"e_{c}") for c in fields],
+        F.col("updated_at").alias("e_updated_at"),
     )
-    r = expected.select(
-        F.col("entity_id").alias("r_entity_id"), *[F.col(c).alias(f"r_{c}") for c in fields]
+    r = _replay(entity_mods).select(
+        F.col("entity_id").alias("r_entity_id"),
+        *[F.col(c).alias(f"r_{c}") for c in fields],
+        F.col("last_completed_at").alias("r_last_completed_at"),
     )
     joined = e.join(r, F.col("e_entity_id") == F.col("r_entity_id"), "full_outer").withColumn(
         "entity_id", F.coalesce("e_entity_id", "r_entity_id")
     )
-    return joined.join(unsettled, "entity_id", "left_anti")
+    # Unsettled: a modification of the entity completed at or after the cutoff, or its row
+    # written then. Both sides of the join carry what decides it, so it is a filter, not
+    # a second read of both tables and an anti-join.
+    unsettled = F.coalesce(F.col("r_last_completed_at") >= cutoff, F.lit(False)) | F.coalesce(
+        F.col("e_updated_at") >= cutoff, F.lit(False)
+    )
+    return joined.where(~unsettled)
 
 
 def union_discrepancies(frames: Iterable[DataFrame]) -> DataFrame:
