@@ -105,10 +105,12 @@ def build_discrepancies(spark: SparkSession, opts: JobOptions, as_of: datetime) 
     frames: list[DataFrame] = []
     mods: dict[str, DataFrame] = {}
     for db in opts.databases:
-        # Read once, used by the stuck check and by every pairwise comparison.
-        m = io.read_modifications(spark, db, lo, hi, opts.partitions).persist(
-            StorageLevel.MEMORY_AND_DISK
-        )
+        m = io.read_modifications(spark, db, lo, hi, opts.partitions)
+        if db is opts.primary and len(opts.peers) > 1:
+            # Read once for the comparisons with every peer. With one peer the frame is
+            # used by two checks only: the stuck check's filters go to PostgreSQL (a scan
+            # that returns a handful of rows), cheaper than caching the window in Spark.
+            m = m.persist(StorageLevel.MEMORY_AND_DISK)
         mods[db.label] = m
         frames.append(
             transforms.stuck_in_progress(m, window=window, inflight_cutoff=cutoff, source=db.label)
