@@ -106,7 +106,7 @@ test-reconcile: install
 bench-growth: install
 	$(PY) bench/cost_curve.py
 
-## make bench-reconcile: 1,000,000 modifications in each of two databases, local[2]
+## make bench-reconcile: 1,000,000 modifications in each of two databases, local[2], the job against its read-only floor (bench/reconcile_floor.py), floor,job,job,floor
 bench-reconcile: install
 	$(PY) bench/reconcile_bench.py
 
