@@ -2,7 +2,8 @@
 modifications in each of two databases.
 
     .venv/bin/python bench/reconcile_bench.py [--rows 1000000] [--master local[2]]
-        [--partitions 8] [--baseline COMMIT] [--order floor,job,job,floor]
+        [--partitions 8] [--baseline COMMIT] [--variant NAME=COMMIT ...]
+        [--order floor,job,job,floor]
 
 Starts a throwaway PostgreSQL on loopback, fills a primary and a peer server-side
 (``INSERT … SELECT generate_series``) with the same stream, plants a few discrepancies,
@@ -12,7 +13,8 @@ then, against those same two databases, runs in ``--order``:
   the job reads over JDBC (the job's own ``io`` reads: same SQL, options, partitioning),
   materialised through Spark's ``noop`` sink, nothing else;
 * ``job``: ``sqs-ingest reconcile`` from this worktree, as a subprocess;
-* ``base``: the same from ``--baseline``'s ``service/`` (old vs new in one run).
+* ``base``: the same from ``--baseline``'s ``service/`` (old vs new in one run), and any
+  ``--variant NAME=COMMIT`` likewise under its NAME.
 
 Each run is a fresh process (Python + JVM). For each it reports the wall time (process
 start to exit), the Spark part (the job's ``duration_seconds``: ``job.run``; the floor's
@@ -213,11 +215,8 @@ async def stored_discrepancies(dsn: str) -> list[tuple[Any, ...]]:
 
 
 @contextlib.contextmanager
-def checkout(commit: str | None) -> Iterator[Path]:
-    """``service/`` of ``commit`` in a temporary directory (the worktree itself if None)."""
-    if commit is None:
-        yield ROOT
-        return
+def checkout(commit: str) -> Iterator[Path]:
+    """``service/`` of ``commit`` in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="reconcile-base-") as tmp:
         archive = subprocess.run(
             ["git", "-C", str(ROOT), "archive", commit, "service"],
@@ -228,19 +227,20 @@ def checkout(commit: str | None) -> Iterator[Path]:
 
 
 def ratios(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """Mean ``key`` of each kind of run, and each job kind's mean over the floor's mean."""
+    """Mean ``key`` of each kind of run, each job kind's mean over the floor's mean, and
+    the working tree's job over each other code's."""
     means: dict[str, float] = {}
     for kind in sorted({r["run"] for r in runs}):
         values = [r[key] for r in runs if r["run"] == kind and r.get(key) is not None]
         if values:
             means[kind] = round(sum(values) / len(values), 2)
     out: dict[str, Any] = {"mean": means}
-    if "floor" in means:
-        for kind, value in means.items():
-            if kind != "floor":
-                out[f"{kind}_over_floor"] = round(value / means["floor"], 3)
-    if "job" in means and "base" in means:
-        out["job_over_base"] = round(means["job"] / means["base"], 3)
+    for kind, value in means.items():
+        if kind != "floor" and "floor" in means:
+            out[f"{kind}_over_floor"] = round(value / means["floor"], 3)
+    for kind, value in means.items():
+        if kind not in ("floor", "job") and "job" in means:
+            out[f"job_over_{kind}"] = round(means["job"] / value, 3)
     return out
 
 
@@ -253,18 +253,32 @@ def main() -> int:
         "--baseline", default=None, help="also run the job of this commit's service/ (as 'base')"
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=COMMIT",
+        help="also run the job of COMMIT's service/ as NAME in --order (repeatable)",
+    )
+    parser.add_argument(
         "--order",
         default=None,
-        help="comma-separated runs of floor, job, base (default floor,job,job,floor;"
-        " with --baseline floor,base,job,job,base,floor)",
+        help="comma-separated runs of floor, job and the --baseline/--variant names (default"
+        " floor,job,job,floor; with --baseline floor,base,job,job,base,floor)",
     )
     args = parser.parse_args()
     order = (args.order or DEFAULT_ORDER[args.baseline is not None]).split(",")
-    if "base" in order and not args.baseline:
-        parser.error("'base' in --order needs --baseline")
+    commits = dict(v.split("=", 1) for v in args.variant)
+    if args.baseline:
+        commits["base"] = args.baseline
+    unknown = set(order) - {"floor", "job", *commits}
+    if unknown:
+        parser.error(f"--order names no --baseline/--variant: {sorted(unknown)}")
     runs: list[dict[str, Any]] = []
     results: dict[str, list[tuple[Any, ...]]] = {}
-    with postgres_server() as pg, checkout(args.baseline) as base_code:
+    with contextlib.ExitStack() as stack:
+        pg = stack.enter_context(postgres_server())
+        code = {name: stack.enter_context(checkout(c)) for name, c in commits.items()}
+        code["job"] = ROOT
         timings = asyncio.run(prepare(pg.dsn(), pg.dsn, args.rows))
         argv = job_args(pg.dsn("bench_primary"), pg.dsn("bench_peer"), args.master, args.partitions)
         if os.environ.get("BENCH_KEEP"):
@@ -274,7 +288,7 @@ def main() -> int:
             if kind == "floor":
                 result = run_floor(argv)
             else:
-                result = run_job(argv, base_code if kind == "base" else ROOT)
+                result = run_job(argv, code[kind])
                 written = asyncio.run(stored_discrepancies(pg.dsn("bench_primary")))
                 result["same_results_as_first_job"] = results.setdefault("first", written) == written
             runs.append({"i": i, "run": kind, **result})
@@ -284,7 +298,7 @@ def main() -> int:
         "rows_per_database": args.rows,
         "master": args.master,
         "partitions": args.partitions,
-        "baseline": args.baseline,
+        "commits": commits,
         "order": order,
         **timings,
         "wall_seconds": ratios(runs, "wall_seconds"),
