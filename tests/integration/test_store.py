@@ -801,3 +801,26 @@ async def test_claim_stores_the_payload_and_sent_at_and_answers_per_request(
     assert [(r["request_id"], json.loads(r["payload"]), r["sent_at"]) for r in rows] == [
         ("r1", {"entity_id": "e-r1", "version": 1, "data": {"k": [1, 2]}}, sent),
         ("r2", {"entity_id": "e-r2", "version": 1, "data": {"v": 1}}, None)]
+
+
+async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
+    pool: asyncpg.Pool,
+) -> None:
+    """The one-by-one path as the batch form's above: the driver's 'connection gone' in a
+    handler is DatabaseUnavailable (the batch is given back, nobody's failure); a handler's
+    own OSError is that message's failure."""
+    from service.errors import DatabaseUnavailable
+
+    a = await registered(pool, "w-a")
+
+    async def gone(m: Message, conn: asyncpg.Connection) -> None:
+        raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+
+    async def own_http_call(m: Message, conn: asyncpg.Connection) -> None:
+        raise OSError("upstream unreachable")
+
+    await a.claim([msg("r1")])
+    with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a handler: "):
+        await a.apply([msg("r1")], gone)
+    res = await a.apply([msg("r1")], own_http_call)
+    assert [(m.request_id, type(e).__name__) for m, e in res.failed] == [("r1", "OSError")]
