@@ -102,6 +102,36 @@ async def test_a_message_that_keeps_failing_alone_is_the_only_one_dead_lettered(
     assert sorted(store.rows) == ["r0", "r1", "r2"]
 
 
+async def test_a_bug_on_a_first_receive_hands_the_batch_back_whole(registry: Registry) -> None:
+    """Bisection is for a refused value or a repeat offender: a statement that fails for any
+    other reason on a message's first receives fails its batch, which is handed back whole to
+    be retried (not split, nothing dead-lettered, no neighbour completed meanwhile)."""
+    q = FakeQueue()
+    ids = [q.send(body(f"r{i}", i)) for i in range(3)]
+    ids.append(q.send(body("boom", 7)))  # receive_count 1: far from any limit
+
+    class Buggy(FakeStore):
+        claims: list[list[str]] = []
+
+        async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+            self.claims.append([m.request_id for m in messages])
+            if any(m.request_id == "boom" for m in messages):
+                raise RuntimeError("a bug that only this message triggers")
+            return await super().claim(messages)
+
+    store = Buggy()
+    h = Harness(settings(pollers=1), registry, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, registry, visibility_timeout=30,
+                              rng=lambda: 0.0)
+    async with h:
+        await until(lambda: len(q.visibility_calls) >= 4, "the batch handed back")
+    assert store.claims[0] == ["r0", "r1", "r2", "boom"]  # one claim for the whole batch
+    assert all("boom" in c for c in store.claims)  # never split into halves
+    assert sorted(m for m, _ in q.visibility_calls[:4]) == sorted(ids)
+    assert store.rows == {} and store.dead == {}
+
+
 def test_limits_at_the_door_name_the_field(registry: Registry) -> None:
     from service.messages import Received
 
