@@ -149,7 +149,7 @@ def _fields(
     sent_at: datetime | None = None
     if "sent_at" in doc and doc["sent_at"] is not None:
         try:
-            sent_at = datetime.fromisoformat(str(doc["sent_at"]).replace("Z", "+00:00"))
+            sent_at = _rfc3339(str(doc["sent_at"]))
         except ValueError as exc:
             return Poison(raw, "invalid_envelope", f"sent_at: {exc}", request_id, mtype)
     if "\x00" in request_id or "\x00" in mtype:
@@ -164,6 +164,14 @@ def _fields(
                       f"type has {len(mtype)} characters, at most {TYPE_MAX_CHARS} are accepted",
                       request_id)
     return request_id, mtype, payload, sent_at
+
+
+def _rfc3339(text: str) -> datetime:
+    """RFC 3339 allows the UTC designator in either case (section 5.6); fromisoformat only
+    takes an upper-case one."""
+    if text.endswith("z"):
+        text = text[:-1] + "Z"
+    return datetime.fromisoformat(text)
 
 
 def _canonical(raw: Received, payload: dict[str, Any], request_id: str,

@@ -234,6 +234,9 @@ def test_sent_at_in_utc_with_a_z_or_an_offset(registry: Registry) -> None:
     assert z.sent_at == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC) == off.sent_at
     assert off.sent_at is not None and off.sent_at.utcoffset() == timedelta(hours=2)
     assert z.sent_at is not None and z.sent_at.utcoffset() == timedelta(0)
+    # RFC 3339 5.6: the "Z" may be lower case (the schema's date-time format accepts it).
+    lower = parse(raw(json.dumps(upsert(sent_at="2026-01-02t03:04:05z"))), registry)
+    assert isinstance(lower, Message) and lower.sent_at == z.sent_at
     none = parse(raw(json.dumps(upsert(sent_at=None))), registry)
     assert isinstance(none, Message) and none.sent_at is None
 
