@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +24,31 @@ TEMPLATE_DB = "ingest_template"
 #: Tests a strict run (INGEST_TESTS_STRICT=1, set by ``make test``) may skip: node id → why.
 #: Any other skip fails the run, so a test CI is meant to run cannot silently not run.
 ALLOWED_SKIPS: dict[str, str] = {}
+
+
+@functools.cache
+def _mutmut_durations() -> dict[str, float]:
+    """mutmut's recorded duration per test (its stats run, ``mutants/mutmut-stats.json``)."""
+    try:
+        with open("mutmut-stats.json", encoding="utf-8") as f:
+            return dict(json.load(f)["duration_by_test"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under mutmut, while a mutant is checked, the fastest of its tests run first.
+
+    mutmut hands a mutant's tests over as an unordered set and stops at the first failure
+    (``-x``), so a mutant a 20 ms unit test kills could first pay for every integration test
+    listed before it. Sorting by mutmut's own recorded durations changes no verdict, only
+    how soon a killed mutant is known (docs/mutation.md measures it). Outside mutmut, and in
+    its stats and forced-fail runs, the order is untouched."""
+    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+        return
+    durations = _mutmut_durations()
+    if durations:
+        items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
 
 
 @pytest.hookimpl(hookwrapper=True)
