@@ -71,14 +71,18 @@ bench-memory: install
 fuzz: install
 	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-2000} $(PY) -m pytest -q -s tests/integration/test_fuzz.py
 
-## make mutation [MUTATION_THRESHOLD=90] [MUTATION_CHILDREN=1]: mutmut over the exactly-once
-## modules ([tool.mutmut] in pyproject.toml) on one shared PostgreSQL, niced; fails under the
-## threshold or when any mutant was not checked (tests/mutation_gate.py). Hours: docs/mutation.md
+## make mutation [MUTATION_THRESHOLD=90] [MUTATION_CHILDREN=1] [RESUME=1]: mutmut over the
+## exactly-once modules ([tool.mutmut] in pyproject.toml) on one shared PostgreSQL, niced; fails
+## under the threshold or when any mutant was not checked (tests/mutation_gate.py). Hours
+## (docs/mutation.md): RESUME=1 keeps mutants/ and checks only what is not checked yet, or
+## whose function changed since (mutmut's own per-function hashes); stopping it loses nothing.
+## RECHECK=1 (with RESUME=1) checks the survived and untested mutants again, against new tests.
 MUTATION_THRESHOLD ?= 90
 MUTATION_CHILDREN ?= 1
 mutation: install
-	rm -rf mutants
-	nice -n 19 $(PY) -m tests.pg_for $(VENV)/bin/mutmut run --max-children $(MUTATION_CHILDREN); \
+	$(if $(RESUME),[ ! -d mutants/tests ] || cp -a tests/. mutants/tests/,rm -rf mutants)
+	nice -n 19 $(PY) -m tests.pg_for $(VENV)/bin/mutmut run --max-children $(MUTATION_CHILDREN) \
+	  $(if $(RECHECK),$$($(PY) -m tests.mutation_gate survivors)); \
 	  $(PY) -m tests.mutation_gate --threshold $(MUTATION_THRESHOLD)
 
 ## make mutation-diff BASE=<git ref>: the same gate over the mutants of the functions changed

@@ -4,6 +4,7 @@ module and function, and fails under the threshold.
     python -m tests.mutation_gate [--threshold 90] [--only GLOB ...] [--markdown]
     python -m tests.mutation_gate changed BASE   # mutant globs of the functions changed
                                                  # since git ref BASE (make mutation-diff)
+    python -m tests.mutation_gate survivors      # names of the survived / untested mutants
 
 Score = (killed + timeout) / (killed + timeout + survived + no tests): a mutant no test
 reaches counts against the score. A mutant not checked yet, or one whose run broke
@@ -170,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["changed"]:
         print("\n".join(changed_globs(argv[1])))
+        return 0
+    if argv[:1] == ["survivors"]:  # make mutation RESUME=1 RECHECK=1: re-run these by name
+        root = Path(argv[1]) if len(argv) > 1 else Path("mutants")
+        print("\n".join(k for k, v in sorted(load(root).items())
+                        if status(v) in ("survived", "no tests")))
         return 0
     ap = argparse.ArgumentParser(prog="python -m tests.mutation_gate")
     ap.add_argument("--threshold", type=float, default=90.0)

@@ -55,6 +55,15 @@ def test_no_results_is_an_error_and_only_filters(tmp_path: Path) -> None:
     assert g.main(["--root", str(root), "--only", "service.store.*"]) == 1
 
 
+def test_survivors_are_the_survived_and_untested_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``make mutation RESUME=1 RECHECK=1`` hands mutmut to check again."""
+    root = write(tmp_path / "mutants", {S + "1": 1, S + "2": 0, S + "3": 36, S + "4": 33,
+                                        S + "5": None, S + "6": 5})
+    assert g.main(["survivors", str(root)]) == 0
+    assert capsys.readouterr().out.split() == [S + "2", S + "4", S + "6"]
+
+
 def test_changed_functions_are_the_ones_whose_lines_changed() -> None:
     source = '''
 import x
