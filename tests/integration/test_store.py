@@ -824,3 +824,88 @@ async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
         await a.apply([msg("r1")], gone)
     res = await a.apply([msg("r1")], own_http_call)
     assert [(m.request_id, type(e).__name__) for m, e in res.failed] == [("r1", "OSError")]
+
+
+async def test_a_session_the_server_ended_in_a_handler_is_an_outage(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """The server ends the handler's session (an administrator, a failover:
+    pg_terminate_backend) and the handler wraps the driver's error in its own: still an
+    outage — DatabaseUnavailable, the claim kept for the batch to give back — not that
+    message's failure, counted towards its dead letter."""
+    from service.errors import DatabaseUnavailable
+
+    a = await registered(pool, "w-a")
+
+    async def ended(m: Message, conn: asyncpg.Connection) -> None:
+        assert await db.fetchval("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+        try:
+            await conn.execute("SELECT 1")
+        except asyncpg.PostgresError as exc:
+            raise RuntimeError("the handler's write failed") from exc
+
+    await a.claim([msg("r1")])
+    with pytest.raises(DatabaseUnavailable):
+        await a.apply([msg("r1")], ended)
+    row = await db.fetchrow("SELECT status, owner FROM modifications WHERE request_id = 'r1'")
+    assert (row["status"], row["owner"]) == ("IN_PROGRESS", "w-a")
+    assert await db.fetchval("SELECT count(*) FROM retry_attempts") == 0
+
+
+# -- S3 refusals (migration 006): the first refusal's time outlives the process ------------
+
+
+async def refusal_rows(db: asyncpg.Connection) -> dict[str, tuple[int, str]]:
+    rows = await db.fetch("SELECT pointer, refusals, last_error FROM payload_refusals")
+    return {r["pointer"]: (r["refusals"], r["last_error"]) for r in rows}
+
+
+async def test_a_refusal_is_recorded_per_pointer_and_counted_from_the_first(
+    database_url: str, pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """What the unreadable-payload rule reads (SPEC §6): per pointer, the seconds since S3
+    FIRST refused it — kept across calls, restarts and other replicas (a new pool here),
+    never reset by a later refusal — and the last error text, one row per pointer."""
+    a = await registered(pool, "w-a")
+    k1, k2 = "s3://payloads/k1", "s3://payloads/k2"
+    first = await a.note_refusals({k2: "AccessDenied: k2", k1: "KMS.DisabledException"})
+    assert set(first) == {k1, k2} and all(v >= 0 for v in first.values())
+    assert await refusal_rows(db) == {k1: (1, "KMS.DisabledException"),
+                                      k2: (1, "AccessDenied: k2")}
+    # An hour passes (the database's clock is the one read: move the first refusal back).
+    await db.execute("UPDATE payload_refusals SET first_refused_at = first_refused_at"
+                     " - interval '1 hour' WHERE pointer = $1", k1)
+    other = await create_pool(database_url, 1)  # another replica, or the daemon restarted
+    try:
+        again = await Store(other, "w-b").note_refusals({k1: "AccessDenied: now"})
+    finally:
+        await other.close()
+    assert list(again) == [k1]
+    assert 3600 <= again[k1] < 2 * 3600  # from the first refusal, not this one
+    assert await refusal_rows(db) == {k1: (2, "AccessDenied: now"),
+                                      k2: (1, "AccessDenied: k2")}
+    # Refused again later: still counted from the first refusal.
+    third = await a.note_refusals({k1: "AccessDenied: now", k2: "AccessDenied: k2"})
+    assert third[k1] >= again[k1] and third[k2] < 3600
+    assert await refusal_rows(db) == {k1: (3, "AccessDenied: now"),
+                                      k2: (2, "AccessDenied: k2")}
+
+
+async def test_a_refusal_s_error_is_stored_capped_and_storable(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """The error text is what an operator reads: kept up to 2,000 characters, and a NUL
+    (S3's text is whatever came back) escaped instead of failing the statement."""
+    a = await registered(pool, "w-a")
+    long, nul = "s3://payloads/long", "s3://payloads/nul"
+    await a.note_refusals({long: "x" * 1999 + "yz" + "w" * 500, nul: "Access\x00Denied"})
+    assert await refusal_rows(db) == {long: (1, "x" * 1999 + "y"),
+                                      nul: (1, "Access\\x00Denied")}
+
+
+async def test_no_refusal_takes_no_connection(database_url: str) -> None:
+    """Nothing refused (every batch without an S3 payload): no statement, no connection —
+    even a closed pool answers."""
+    p = await create_pool(database_url, 1)
+    await p.close()
+    assert await Store(p, "w-a").note_refusals({}) == {}
