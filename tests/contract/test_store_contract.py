@@ -425,6 +425,88 @@ async def test_publishers_never_hold_the_same_row_and_keep_a_group_in_order(
     assert by_b[-1] == "a4"
 
 
+async def test_a_standard_destination_does_not_hold_a_group_behind_a_held_row(
+    backend: Backend,
+) -> None:
+    """The group rule above is for FIFO destinations only (``fifo=False``): a row whose
+    group has an older row held by another publisher is sent, not kept waiting."""
+    import asyncio
+
+    a = await backend.store("w-a", results=True)
+    b = await backend.store("w-b", results=True)
+    for m in (msg("a1", group="g"), msg("a2", group="h"), msg("a3"), msg("a4", group="g")):
+        await a.claim([m])
+        await a.apply([m], ok)  # outbox ids in this order: a4 is after a1 in group g
+    inside, go = asyncio.Event(), asyncio.Event()
+
+    async def slow(rows: list[OutboxRow]) -> set[int]:
+        inside.set()
+        await go.wait()
+        return {r.id for r in rows}
+
+    first = asyncio.create_task(a.publish_outbox(slow, 1, fifo=False))  # holds a1
+    await asyncio.wait_for(inside.wait(), 10)
+    by_b: list[str] = []
+
+    async def record(rows: list[OutboxRow]) -> set[int]:
+        by_b.extend(r.request_id for r in rows)
+        return {r.id for r in rows}
+
+    try:
+        assert await b.publish_outbox(record, 10, fifo=False) == (3, 3)
+    finally:
+        go.set()
+        await asyncio.wait_for(first, 10)
+    assert by_b == ["a2", "a3", "a4"]
+
+
+async def test_the_destination_gets_each_outcome_whole(backend: Backend) -> None:
+    """What the publisher turns into the result message (service.results): every field of
+    the row, for a completion and for a dead letter."""
+    from datetime import datetime
+
+    a = await backend.store("w-a", results=True)
+    await a.claim([msg("r1", n=7, group="g1")])
+    await a.apply([msg("r1", n=7, group="g1")], ok)
+    await a.dead_letter([letter("m-p", "invalid_payload", "p1", "g2")])
+    rows: list[OutboxRow] = []
+
+    async def send(batch: list[OutboxRow]) -> set[int]:
+        rows.extend(batch)
+        return {r.id for r in batch}
+
+    assert await a.publish_outbox(send, 10, fifo=False) == (2, 2)
+    assert [(r.request_id, r.request_type, r.status, r.result, r.reason, r.group_id)
+            for r in rows] == [("r1", "note", "COMPLETED", {"n": 7}, None, "g1"),
+                               ("p1", "note", "FAILED", None, "invalid_payload", "g2")]
+    assert rows[0].id < rows[1].id
+    for r in rows:
+        assert isinstance(r.completed_at, datetime) and r.completed_at.tzinfo is not None
+
+
+async def test_the_publisher_is_woken_only_when_a_failure_wrote_a_result(
+    backend: Backend,
+) -> None:
+    """``outbox_written`` wakes the publisher: a failure below the limit writes no result
+    (nothing to wake it for), the one that dead-letters does — and with results off no
+    failure writes one."""
+    a = await backend.store("w-a", results=True)
+    await a.claim([msg("r1")])
+    assert await a.record_failures([(msg("r1"), "boom")], max_failures=2) == {"r1": 1}
+    assert await backend.outbox() == []
+    assert not a.outbox_written.is_set()
+    await a.claim([msg("r1")])
+    assert await a.record_failures([(msg("r1"), "boom")], max_failures=2) == {"r1": 2}
+    assert [row[:2] for row in await backend.outbox()] == [("r1", "FAILED")]
+    assert a.outbox_written.is_set()
+
+    off = await backend.store("w-off")
+    await off.claim([msg("r2")])
+    assert await off.record_failures([(msg("r2"), "boom")], max_failures=1) == {"r2": 1}
+    assert (await backend.letters())["m-r2-1"][0] == "max_receives_exceeded"
+    assert not off.outbox_written.is_set()
+
+
 async def test_fifo_lost_claim_blocks_only_what_follows_it(backend: Backend) -> None:
     """Review finding: the fake blocked g1, claimed before the lost g2; Store completes it."""
     a = await backend.store("w-a")
