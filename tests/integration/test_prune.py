@@ -380,6 +380,28 @@ def body(rid: str, version: int) -> str:
                                    "data": {"v": version}}})
 
 
+async def test_the_dry_run_counts_what_the_pass_deletes_around_dead_letters(
+    db: asyncpg.Connection, database_url: str,
+) -> None:
+    """``prune --dry-run`` answers what the pass would delete, also for requests a dead
+    letter pins: unreplayed, or replayed less than INGEST_DEAD_LETTER_RETENTION_DAYS ago
+    (30) — here 2 days, far beyond a pin counted in the wrong unit."""
+    await completed(db, 4, 40, "old")  # old-1 … old-4, all past the 30-day retention
+    await db.execute(
+        "INSERT INTO dead_letters (sqs_message_id, body, reason, request_id, replayed_at)"
+        " VALUES ('d1', 'x', 'idempotency_key_reused', 'old-1', NULL),"
+        "        ('d2', 'x', 'idempotency_key_reused', 'old-2', now() - interval '2 days'),"
+        "        ('d3', 'x', 'idempotency_key_reused', 'old-3', now() - interval '31 days')")
+    s = settings(database_url)
+
+    dry = await prune_once(database_url, s, dry_run=True)
+    assert dry is not None and dry["modifications"] == 2  # old-3 and old-4
+    counts = await prune_once(database_url, s)
+    assert counts is not None and counts["modifications"] == dry["modifications"]
+    left = await db.fetch("SELECT request_id FROM modifications ORDER BY 1")
+    assert [r[0] for r in left] == ["old-1", "old-2"]
+
+
 async def test_replayed_letter_of_an_old_request_is_still_a_duplicate(
     sqs_client: Any, sqs_endpoint: str, queue_url: str, database_url: str,
     db: asyncpg.Connection,
