@@ -39,6 +39,17 @@ def test_a_retention_equal_to_the_queue_s_is_refused_naming_both() -> None:
     check_retention(settings(retention_days=14.01), 14 * 86400)  # above: accepted
 
 
+def test_the_refusal_gives_the_figures_in_their_units_and_the_bound_to_set() -> None:
+    """The line an operator acts on: the retention in days and seconds, the queue's period
+    in seconds and days, and the value to set it above (days, the setting's unit)."""
+    with pytest.raises(RetentionRefused) as exc:
+        check_retention(settings(retention_days=3.5), 4 * 86400)
+    line = str(exc.value)
+    assert "INGEST_RETENTION_DAYS=3.5 (302400 s) does not exceed" in line
+    assert "MessageRetentionPeriod=345600 s (4 days)" in line
+    assert line.endswith("; set INGEST_RETENTION_DAYS above 4")
+
+
 def test_the_dead_letter_retention_is_held_to_the_same_rule() -> None:
     with pytest.raises(RetentionRefused, match="INGEST_DEAD_LETTER_RETENTION_DAYS=3"):
         check_retention(settings(dead_letter_retention_days=3), 4 * 86400)
