@@ -10,7 +10,9 @@ the tests expected to kill it (tests/integration/test_sql_mutants.py runs them).
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import IO
 
 import pytest
 
@@ -159,46 +161,129 @@ EQUIVALENT: dict[str, str] = {
 }
 
 
+#: A hang is bounded by a watchdog of the harness' own, not by pytest-timeout: both
+#: pytest-timeout 2.4.0 (pytest-dev/pytest-timeout#196) and pytest's faulthandler plugin
+#: cancel their timers in ``pytest_exception_interact``, i.e. as soon as a test fails, so
+#: a teardown that blocks after a failure — a pool that waits for a connection a stuck task
+#: holds — ran for ever (``outbox_claim_no_skip_locked``, before its tests released their
+#: holder: measured, pytest's ``--timeout 30`` never fired). The watchdog is a daemon thread
+#: that no hook cancels, armed over each test's setup, call and teardown: at its limit it
+#: writes every thread's stack to the harness' file and ends the process (exit 1). It needs
+#: the GIL, which a loop blocked in select (asyncpg waiting) does not hold.
+WATCHDOG_SECONDS = "INGEST_TEST_SQL_WATCHDOG_SECONDS"
+WATCHDOG_FILE = "INGEST_TEST_SQL_WATCHDOG_FILE"
+RUNNING = "sql_mutants: running "
+EXPIRED = "sql_mutants: watchdog expired in "
+_watchdog: list[tuple[IO[str], float]] = []  # (its file, seconds) once configured
+
+
 def pytest_configure(config: pytest.Config) -> None:
     chosen = os.environ.get("INGEST_TEST_SQL_MUTANT")
     if chosen:
         m = BY_ID[chosen]
         q = queries()  # the very dict store/prune/dlq hold as Q
         q[m.query] = m.apply(q[m.query])
+    if os.environ.get(WATCHDOG_FILE):  # a run of the harness' (run_mutant)
+        _watchdog.append((open(os.environ[WATCHDOG_FILE], "a", buffering=1),
+                          float(os.environ[WATCHDOG_SECONDS])))
+
+
+def _expire(out: IO[str], nodeid: str, seconds: float) -> None:
+    import faulthandler
+
+    out.write(f"{EXPIRED}{nodeid} after {seconds:.0f} s\n")
+    out.flush()
+    faulthandler.dump_traceback(out, all_threads=True)
+    out.flush()
+    os._exit(1)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    if not _watchdog:
+        return (yield)
+    import threading
+
+    out, seconds = _watchdog[0]
+    out.write(f"{RUNNING}{item.nodeid}\n")
+    timer = threading.Timer(seconds, _expire, (out, item.nodeid, seconds))
+    timer.daemon = True
+    timer.start()
+    try:
+        return (yield)
+    finally:
+        timer.cancel()
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pytest run of the harness. ``status``: ``passed`` (every test passed),
+    ``failed`` (a test failed: ``detail`` names the first), ``hung`` (the watchdog or the
+    run's own limit ended it: ``detail`` names the test that was running) or ``error``
+    (the run itself broke — not a verdict on the mutant: ``detail`` is its output's end)."""
+
+    status: str
+    detail: str
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
 
 
 def run_mutant(m: SqlMutant | None, tests: list[str], pg_port: int, pg_user: str,
-               timeout: float = 900) -> tuple[bool, str, float]:
+               timeout: float = 900, per_test: float = 90) -> Run:
     """Runs ``tests`` (stopping at the first failure) with mutant ``m`` injected (None: the
-    unmutated queries) on an already running server that holds the template database.
-    Returns (all passed, the first failing test or '', seconds)."""
+    unmutated queries) on an already running server that holds the template database. Never
+    raises for what the run did and never outlives ``timeout``: a test past ``per_test``
+    seconds (setup to teardown) is ended by the watchdog, the whole run past ``timeout`` is
+    killed with its process group; both come back as ``hung``."""
     import re
+    import signal
     import subprocess
     import sys
+    import tempfile
     import time
 
     env = {**os.environ, "INGEST_TEST_PG_PORT": str(pg_port), "INGEST_TEST_PG_USER": pg_user}
     env.pop("INGEST_TEST_SQL_MUTANT", None)
     if m is not None:
         env["INGEST_TEST_SQL_MUTANT"] = m.id
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(
+    with tempfile.NamedTemporaryFile("r", prefix="sql-mutant-", suffix=".log") as dog:
+        env.update({WATCHDOG_FILE: dog.name, WATCHDOG_SECONDS: str(per_test)})
+        started = time.monotonic()
+        proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-p", "tests.sql_mutants", "-p", "no:cacheprovider",
              "-x", "-q", "-rf", "--timeout", "30", *tests],
-            env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:  # hung under the mutant (a lock never granted): killed
-        return False, "(timed out)", time.monotonic() - started
-    seconds = time.monotonic() - started
-    if proc.returncode not in (0, 1):  # 1: tests failed; anything else: the run itself broke
-        raise RuntimeError(f"pytest exit {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
-    return proc.returncode == 0, (failed[0] if failed else ""), seconds
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            out += f"\n(the run passed its limit of {timeout:.0f} s: killed)"
+        seconds = time.monotonic() - started
+        watched = dog.read()
+    running = [line[len(RUNNING):] for line in watched.splitlines() if line.startswith(RUNNING)]
+    last = running[-1] if running else "(no test started)"
+    if EXPIRED in watched:
+        return Run("hung", f"{last}: no end within {per_test:.0f} s (watchdog)", seconds)
+    if proc.returncode < 0 or "(the run passed its limit" in out:
+        return Run("hung", f"{last}: run killed after {seconds:.0f} s", seconds)
+    if proc.returncode == 0:
+        return Run("passed", "", seconds)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.MULTILINE)
+    if proc.returncode == 1 and failed:
+        return Run("failed", failed[0], seconds)
+    return Run("error", f"pytest exit {proc.returncode}: {out[-2000:]}", seconds)
 
 
 def main() -> int:
     """``python -m tests.sql_mutants [--full] [id ...]``: every (or the named) mutant against
-    its killers, or with --full against the whole FULL_SELECTION; prints one line each."""
+    its killers, or with --full against the whole FULL_SELECTION; prints one line each. Exit
+    0 only if every mutant was killed by a failing test: a survivor, a hang (a test without
+    a bound: no clean verdict) or a broken run makes it 1."""
     import sys
 
     from tests.pg_for import shared_postgres
@@ -206,16 +291,20 @@ def main() -> int:
     args = sys.argv[1:]
     full = "--full" in args
     chosen = [BY_ID[a] for a in args if a != "--full"] or MUTANTS
+    label = {"passed": "SURVIVED", "failed": "killed", "hung": "HUNG", "error": "ERROR"}
+    counts = dict.fromkeys(label, 0)
     with shared_postgres() as pg:
-        survived = 0
         for m in chosen:
             tests = FULL_SELECTION if full or not m.killers else list(m.killers)
-            passed, first, secs = run_mutant(m, tests, pg.port, pg.user)
-            survived += passed
-            print(f"{m.id:36} {'SURVIVED' if passed else 'killed  '} {secs:6.1f}s {first}",
-                  flush=True)
-    print(f"{len(chosen) - survived}/{len(chosen)} killed", flush=True)
-    return 1 if survived else 0
+            run = run_mutant(m, tests, pg.port, pg.user)
+            counts[run.status] += 1
+            detail = run.detail if run.status != "error" else run.detail.splitlines()[0]
+            print(f"{m.id:36} {label[run.status]:8} {run.seconds:6.1f}s {detail}", flush=True)
+            if run.status == "error":
+                print(run.detail, file=sys.stderr, flush=True)
+    print(f"{counts['failed']}/{len(chosen)} killed; survived {counts['passed']}, "
+          f"hung {counts['hung']}, broken runs {counts['error']}", flush=True)
+    return 0 if counts["failed"] == len(chosen) else 1
 
 
 if __name__ == "__main__":

@@ -3,16 +3,18 @@ real ``Store`` on PostgreSQL. A fake that drifts from the real thing fails here.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
 import pytest
 from pydantic import BaseModel
 
+from service.errors import DatabaseError
 from service.messages import Message, Received
 from service.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
 from service.store import Store, create_pool
@@ -92,12 +94,46 @@ class FakeBackend:
         self.db.down = True
 
 
+#: A publisher's claim never waits for a row lock (``FOR UPDATE SKIP LOCKED``): the real
+#: backend's publisher connections (the store's ``outbox_pool``, as the daemon gives the
+#: publisher pools of its own) carry this ``lock_timeout``, so a claim that does wait — on a
+#: row another publisher holds — fails within it instead of waiting on that publisher's
+#: transaction for ever. It counts lock waits only: load cannot trip it.
+PUBLISHER_LOCK_TIMEOUT_MS = 2000
+
+T = TypeVar("T")
+
+
+async def beside_a_holder(call: Awaitable[T], bound: float = 20) -> T:
+    """``call`` (a publisher's claim) while another publisher holds rows: it must return
+    without waiting for them. A claim that blocked on a held row fails with that reason (the
+    lock_timeout above, real backend), and ``bound`` seconds end any other wait (the
+    statement is cancelled on the server too)."""
+    try:
+        return await asyncio.wait_for(call, bound)
+    except DatabaseError as exc:
+        if isinstance(exc.__cause__, asyncpg.exceptions.LockNotAvailableError):
+            raise AssertionError(
+                "the second publisher blocked on a row the first one holds (lock_timeout "
+                f"{PUBLISHER_LOCK_TIMEOUT_MS} ms): FOR UPDATE without SKIP LOCKED") from exc
+        raise
+    except TimeoutError as exc:
+        raise AssertionError(f"the second publisher's claim did not return within {bound} s"
+                             " while the first one held its rows") from exc
+
+
 class RealBackend:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, database_url: str) -> None:
         self.pool = pool
+        self.database_url = database_url
+        self.outbox_pool: asyncpg.Pool | None = None  # the publishers', made on first use
 
     async def store(self, worker_id: str, results: bool = False) -> ResultStore:
-        s = Store(self.pool, worker_id, results=results)
+        if results and self.outbox_pool is None:
+            self.outbox_pool = await create_pool(
+                f"{self.database_url}?lock_timeout={PUBLISHER_LOCK_TIMEOUT_MS}", 4)
+        s = Store(self.pool, worker_id, results=results,
+                  outbox_pool=self.outbox_pool if results else None)
         await s.register_worker(worker_id)
         return s
 
@@ -133,6 +169,13 @@ class RealBackend:
 
     async def go_down(self) -> None:
         await self.pool.close()  # every later call finds no database
+        if self.outbox_pool is not None:
+            await self.outbox_pool.close()
+
+    async def close(self) -> None:
+        await self.pool.close()
+        if self.outbox_pool is not None:
+            await self.outbox_pool.close()
 
     async def prune_outbox(self, retention_days: float, limit: int) -> int:
         """One batch of the pruner's outbox step (service.prune; the store no longer
@@ -153,11 +196,11 @@ async def backend(request: pytest.FixtureRequest, pg_server: Postgres) -> AsyncI
         yield FakeBackend()
         return
     async with fresh_database(pg_server) as database_url:
-        pool = await create_pool(database_url, 4)
+        real = RealBackend(await create_pool(database_url, 4), database_url)
         try:
-            yield RealBackend(pool)
+            yield real
         finally:
-            await pool.close()
+            await real.close()
 
 
 async def test_claim_duplicate_and_conflict(backend: Backend) -> None:
@@ -388,8 +431,6 @@ async def test_publish_marks_only_what_the_destination_accepted(backend: Backend
 async def test_publishers_never_hold_the_same_row_and_keep_a_group_in_order(
     backend: Backend,
 ) -> None:
-    import asyncio
-
     a = await backend.store("w-a", results=True)
     b = await backend.store("w-b", results=True)
     ms = [msg("a1", group="g"), msg("a2", group="h"), msg("a3")]
@@ -408,18 +449,21 @@ async def test_publishers_never_hold_the_same_row_and_keep_a_group_in_order(
         await go.wait()
         return {r.id for r in rows}
 
-    first = asyncio.create_task(a.publish_outbox(slow, 1, fifo=True))  # holds a1
-    await asyncio.wait_for(inside.wait(), 10)
     by_b: list[str] = []
 
     async def record(rows: list[OutboxRow]) -> set[int]:
         by_b.extend(r.request_id for r in rows)
         return {r.id for r in rows}
 
-    # a1 is held by the first publisher: skipped, and a4 (same group) waits behind it.
-    assert await b.publish_outbox(record, 10, fifo=True) == (2, 2)
-    go.set()
-    assert await asyncio.wait_for(first, 10) == (1, 1)
+    first = asyncio.create_task(a.publish_outbox(slow, 1, fifo=True))  # holds a1
+    try:
+        await asyncio.wait_for(inside.wait(), 10)
+        # a1 is held by the first publisher: skipped, and a4 (same group) waits behind it.
+        assert await beside_a_holder(b.publish_outbox(record, 10, fifo=True)) == (2, 2)
+    finally:  # whatever failed above, the first publisher ends: nothing is left holding rows
+        go.set()
+        held = await asyncio.wait_for(first, 10)
+    assert held == (1, 1)
     assert (by_a, by_b) == (["a1"], ["a2", "a3"])
     assert await b.publish_outbox(record, 10, fifo=True) == (1, 1)
     assert by_b[-1] == "a4"

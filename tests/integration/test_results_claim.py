@@ -1,6 +1,10 @@
 """The outbox claim between two sessions, deterministically: while one publisher holds rows
 (its send in flight), another claims none of them — SKIP LOCKED. The same claim without the
-row lock sends every row twice: the strict xfail proves the test catches that."""
+row lock sends every row twice: the strict xfail proves the test catches that. With the row
+lock but without SKIP LOCKED the second claim waits for the first publisher's transaction:
+the second publisher's connections carry a ``lock_timeout``, so that fails within it, named
+(tests/sql_mutants.py's ``outbox_claim_no_skip_locked``), and the first publisher is let go
+whatever happened, so nothing is left holding rows when the pool closes."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 
 from service.seams import OutboxRow
 from service.store import Q, Store, create_pool
+from tests.contract.test_store_contract import PUBLISHER_LOCK_TIMEOUT_MS, beside_a_holder
 
 
 @pytest.fixture
@@ -26,8 +31,21 @@ async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
         await p.close()
 
 
-async def two_publishers(pool: asyncpg.Pool) -> tuple[list[str], list[str]]:
-    a, b = Store(pool, "w-a", results=True), Store(pool, "w-b", results=True)
+@pytest.fixture
+async def publisher_pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    """The second publisher's connections: a claim that waits for a row lock fails."""
+    p = await create_pool(f"{database_url}?lock_timeout={PUBLISHER_LOCK_TIMEOUT_MS}", 2)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def two_publishers(
+    pool: asyncpg.Pool, publisher_pool: asyncpg.Pool
+) -> tuple[list[str], list[str]]:
+    a = Store(pool, "w-a", results=True)
+    b = Store(pool, "w-b", results=True, outbox_pool=publisher_pool)
     holding, release = asyncio.Event(), asyncio.Event()
     by_a: list[str] = []
     by_b: list[str] = []
@@ -43,15 +61,19 @@ async def two_publishers(pool: asyncpg.Pool) -> tuple[list[str], list[str]]:
         return {r.id for r in rows}
 
     first = asyncio.create_task(a.publish_outbox(send_a, 10, fifo=False))
-    await asyncio.wait_for(holding.wait(), 10)
-    await asyncio.wait_for(b.publish_outbox(send_b, 10, fifo=False), 10)
-    release.set()
-    await asyncio.wait_for(first, 10)
+    try:
+        await asyncio.wait_for(holding.wait(), 10)
+        await beside_a_holder(b.publish_outbox(send_b, 10, fifo=False), 10)
+    finally:  # whatever failed above, A ends its transaction: no row stays held
+        release.set()
+        await asyncio.wait_for(first, 10)
     return by_a, by_b
 
 
-async def test_a_held_row_is_skipped_by_the_other_publisher(pool: asyncpg.Pool) -> None:
-    by_a, by_b = await two_publishers(pool)
+async def test_a_held_row_is_skipped_by_the_other_publisher(
+    pool: asyncpg.Pool, publisher_pool: asyncpg.Pool
+) -> None:
+    by_a, by_b = await two_publishers(pool, publisher_pool)
     assert (sorted(by_a), by_b) == ([f"r{i}" for i in range(1, 6)], [])
     assert await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
 
@@ -59,12 +81,12 @@ async def test_a_held_row_is_skipped_by_the_other_publisher(pool: asyncpg.Pool) 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="without FOR UPDATE SKIP LOCKED both sessions send every row")
 async def test_the_unlocked_claim_sends_twice(
-    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+    pool: asyncpg.Pool, publisher_pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     unlocked = Q["outbox_claim"].replace("FOR UPDATE SKIP LOCKED", "")
     assert unlocked != Q["outbox_claim"]
     monkeypatch.setitem(Q, "outbox_claim", unlocked)
-    await test_a_held_row_is_skipped_by_the_other_publisher(pool)
+    await test_a_held_row_is_skipped_by_the_other_publisher(pool, publisher_pool)
 
 
 # A FIFO destination's results leave in the order the batch completed them: the order of

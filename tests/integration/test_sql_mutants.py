@@ -25,8 +25,8 @@ def test_every_mutant_applies_to_exactly_one_place_and_changes_it() -> None:
 @pytest.mark.sql_mutation
 def test_the_killers_pass_unmutated(pg_server: Postgres) -> None:
     killers = sorted({k for m in MUTANTS for k in m.killers})
-    passed, first, _ = run_mutant(None, killers, pg_server.port, pg_server.user)
-    assert passed, f"{first} fails without any mutant: its kills would mean nothing"
+    run = run_mutant(None, killers, pg_server.port, pg_server.user)
+    assert run.passed, f"{run.status}: {run.detail} without any mutant: its kills would mean nothing"
 
 
 @pytest.mark.sql_mutation
@@ -36,6 +36,9 @@ def test_sql_mutant_is_killed(mutant: object, pg_server: Postgres) -> None:
     from tests.sql_mutants import SqlMutant
 
     assert isinstance(mutant, SqlMutant)
-    passed, _, _ = run_mutant(mutant, list(mutant.killers), pg_server.port, pg_server.user,
-                              timeout=280)
-    assert not passed, f"SQL mutant {mutant.id} survived {list(mutant.killers)}"
+    run = run_mutant(mutant, list(mutant.killers), pg_server.port, pg_server.user,
+                     timeout=280)
+    # Killed means a test failed: a survivor, and a hang too (a test with no bound, ended by
+    # the harness' watchdog: no clean verdict), and a broken run are each a defect here.
+    assert run.status == "failed", (
+        f"SQL mutant {mutant.id} not killed by {list(mutant.killers)}: {run.status} {run.detail}")
