@@ -119,6 +119,7 @@ class FakeS3:
         self.events = events if events is not None else []
         self.latency = 0.0
         self.calls: list[tuple[str, str, str, dict[str, Any]]] = []  # (op, bucket, key, kw)
+        self.fail_delete: dict[str, BaseException] = {}  # key -> what DeleteObject raises
 
     def put(self, key: str, data: bytes, bucket: str = "payloads") -> None:
         self.objects[(bucket, key)] = data
@@ -143,6 +144,8 @@ class FakeS3:
     async def delete_object(self, Bucket: str, Key: str, **kw: Any) -> dict[str, Any]:
         self.calls.append(("delete", Bucket, Key, kw))
         self.events.append(f"s3-delete:{Key}")
+        if Key in self.fail_delete:
+            raise self.fail_delete[Key]
         self.objects.pop((Bucket, Key), None)
         return {}
 
@@ -216,6 +219,44 @@ async def test_a_batch_s_pointers_are_fetched_concurrently() -> None:
     resolved = await s3p(s3).resolve(batch)
     assert sorted(resolved) == [f"m{i}" for i in range(10)]  # the plain body costs no call
     assert s3.max_in_flight == 10
+
+
+async def test_delete_removes_every_object_and_a_failed_delete_is_counted_never_raised() -> None:
+    # INGEST_S3_DELETE_AFTER_ACK: runs after the ack, so a failure must not raise (the
+    # bucket's lifecycle rule removes what is left); each outcome is counted and a failure
+    # is logged with its own pointer's uri.
+    s3 = FakeS3()
+    for key in "abcd":
+        s3.put(key, b"x")
+    denied = client_error("AccessDenied", 403, "DeleteObject")
+    down = EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+    s3.fail_delete.update({"b": denied, "d": down})
+    deleted, failed = value(metrics.s3_deletes, "deleted"), value(metrics.s3_deletes, "failed")
+    payloads = S3Payloads(s3, 1 << 20, True, allowed="payloads", expected_owner="123456789012")
+    with capture_logs() as logs:
+        await payloads.delete([Pointer("payloads", key) for key in "abcd"])
+    owner = {"ExpectedBucketOwner": "123456789012"}
+    assert s3.calls == [("delete", "payloads", key, owner) for key in "abcd"]
+    assert set(s3.objects) == {("payloads", "b"), ("payloads", "d")}
+    assert value(metrics.s3_deletes, "deleted") - deleted == 2
+    assert value(metrics.s3_deletes, "failed") - failed == 2
+    assert [(e["event"], e["uri"], e["error"]) for e in logs] == [
+        ("s3_delete_failed", "s3://payloads/b", f"ClientError: {denied}"),
+        ("s3_delete_failed", "s3://payloads/d", f"EndpointConnectionError: {down}")]
+
+
+async def test_delete_of_nothing_calls_nothing_and_a_cancelled_delete_is_passed_on() -> None:
+    s3 = FakeS3()
+    await s3p(s3).delete([])
+    assert s3.calls == []
+    s3.put("a", b"x")
+    s3.fail_delete["b"] = asyncio.CancelledError()
+    deleted, failed = value(metrics.s3_deletes, "deleted"), value(metrics.s3_deletes, "failed")
+    with pytest.raises(asyncio.CancelledError):
+        await s3p(s3).delete([Pointer("payloads", "a"), Pointer("payloads", "b")])
+    assert s3.objects == {}
+    assert value(metrics.s3_deletes, "deleted") - deleted == 1
+    assert value(metrics.s3_deletes, "failed") - failed == 0
 
 
 # -- parsing a fetched payload ----------------------------------------------------------

@@ -6,13 +6,17 @@ The worker runs over the in-package fakes; FakeQueue moves a message past its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
 from structlog.testing import capture_logs
 
+import service.redrive as redrive_module
 from service.errors import DatabaseUnavailable
 from service.executor import PlanExecutor
 from service.handlers import Registry
@@ -359,3 +363,374 @@ async def test_a_failed_release_is_tried_once_more_when_the_database_is_back() -
     store.fail_release = False
     await ex.release_unreleased()
     assert store.released == [["r0"], ["r0"]]
+
+
+# -- sqs-ingest redrive: every line a user sees, every call it makes ----------------------
+# What an operator relies on is the exit code, the progress lines on stdout and the one
+# error line on stderr (README "Native redrive"); each branch below asserts all three, and
+# the exact calls sent (SQS takes the attribute names, the DLQ's owner account and the
+# move's direction literally).
+
+SRC_URL = "http://sqs.local/000000000000/src"
+SRC_ARN = "arn:aws:sqs:us-east-1:000000000000:src"
+# The DLQ in another account and region: the name and the owner come from the ARN.
+DLQ_ARN = "arn:aws:sqs:eu-west-1:111111111111:the-dlq"
+DLQ_URL = "http://sqs.local/111111111111/the-dlq"
+SOURCE_ATTRIBUTES = ["QueueArn", "RedrivePolicy"]
+DLQ_ATTRIBUTES = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
+
+
+def sqs_error(code: str, op: str) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": f"{code} says no"}}, op)
+
+
+def task(status: str, moved: int | None = 1, total: int | None = 4,
+         reason: str | None = None) -> dict[str, Any]:
+    t: dict[str, Any] = {"Status": status, "TaskHandle": "h1"}
+    if moved is not None:
+        t["ApproximateNumberOfMessagesMoved"] = moved
+    if total is not None:
+        t["ApproximateNumberOfMessagesToMove"] = total
+    if reason is not None:
+        t["FailureReason"] = reason
+    return t
+
+
+class ScriptedSqs:
+    """SQS as ``redrive`` meets it: GetQueueAttributes answers only the attributes asked for
+    (an unknown name is InvalidAttributeName, as SQS answers), GetQueueUrl knows the one DLQ
+    by name and owner, ListMessageMoveTasks plays ``script`` (a list of Results, or an
+    exception to raise) and then repeats its last entry. Every call is recorded. A follow
+    that never ends fails the test instead of hanging it."""
+
+    def __init__(self, *, policy_arn: str | None = DLQ_ARN, visible: int | None = 4,
+                 in_flight: int | None = 1, script: list[Any] | None = None,
+                 fail: dict[str, BaseException] | None = None, max_polls: int = 50) -> None:
+        self.policy_arn = policy_arn
+        self.visible, self.in_flight = visible, in_flight
+        self.script = script if script is not None else [[task("COMPLETED", 4, 4)]]
+        self.fail = fail or {}
+        self.max_polls = max_polls
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def _call(self, op: str, **kw: Any) -> None:
+        self.calls.append((op, kw))
+        key = op + (":dlq" if kw.get("QueueUrl") == DLQ_URL else "")
+        if key in self.fail:
+            raise self.fail[key]
+
+    async def get_queue_attributes(self, **kw: Any) -> Any:
+        self._call("GetQueueAttributes", **kw)
+        if kw["QueueUrl"] == DLQ_URL:
+            known: dict[str, Any] = {"ApproximateNumberOfMessages": self.visible,
+                                     "ApproximateNumberOfMessagesNotVisible": self.in_flight}
+        else:
+            known = {"QueueArn": SRC_ARN, "RedrivePolicy": None if self.policy_arn is None
+                     else json.dumps({"deadLetterTargetArn": self.policy_arn,
+                                      "maxReceiveCount": 3})}
+        unknown = [n for n in kw["AttributeNames"] if n not in known]
+        if unknown:
+            raise sqs_error("InvalidAttributeName", "GetQueueAttributes")
+        return {"Attributes": {n: str(known[n]) for n in kw["AttributeNames"]
+                               if known[n] is not None}}
+
+    async def get_queue_url(self, **kw: Any) -> Any:
+        self._call("GetQueueUrl", **kw)
+        if kw != {"QueueName": "the-dlq", "QueueOwnerAWSAccountId": "111111111111"}:
+            raise sqs_error("AWS.SimpleQueueService.NonExistentQueue", "GetQueueUrl")
+        return {"QueueUrl": DLQ_URL}
+
+    async def start_message_move_task(self, **kw: Any) -> Any:
+        self._call("StartMessageMoveTask", **kw)
+        return {"TaskHandle": "h1"}
+
+    async def list_message_move_tasks(self, **kw: Any) -> Any:
+        self._call("ListMessageMoveTasks", **kw)
+        polls = sum(op == "ListMessageMoveTasks" for op, _ in self.calls)
+        if polls > self.max_polls:
+            raise AssertionError(f"still following after {self.max_polls} polls")
+        step = self.script[min(polls, len(self.script)) - 1]
+        if isinstance(step, BaseException):
+            raise step
+        return {"Results": step} if step is not None else {}
+
+    def ops(self) -> list[str]:
+        return [op for op, _ in self.calls]
+
+
+class Clock:
+    """``service.redrive``'s clock and sleep: time passes only when it sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(redrive_module, "time", c)
+    monkeypatch.setattr(redrive_module, "asyncio", c)
+    return c
+
+
+async def run(sqs: ScriptedSqs, capsys: pytest.CaptureFixture[str], dry_run: bool = False,
+              **kw: Any) -> tuple[int, list[str], str]:
+    """(exit code, stdout lines, stderr) of one ``redrive`` over ``sqs``."""
+    code = await redrive(sqs, SRC_URL, dry_run, **kw)
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err
+
+
+HEAD = [f"dead-letter queue: {DLQ_ARN} ({DLQ_URL})",
+        "messages: 4 visible, 1 in flight; maxReceiveCount 3"]
+STARTED = f"move task started: {DLQ_ARN} -> {SRC_ARN} (h1)"
+READ_SOURCE = ("GetQueueAttributes", {"QueueUrl": SRC_URL, "AttributeNames": SOURCE_ATTRIBUTES})
+FIND_DLQ = ("GetQueueUrl", {"QueueName": "the-dlq", "QueueOwnerAWSAccountId": "111111111111"})
+READ_DLQ = ("GetQueueAttributes", {"QueueUrl": DLQ_URL, "AttributeNames": DLQ_ATTRIBUTES})
+START = ("StartMessageMoveTask", {"SourceArn": DLQ_ARN, "DestinationArn": SRC_ARN})
+POLL = ("ListMessageMoveTasks", {"SourceArn": DLQ_ARN, "MaxResults": 1})
+
+
+async def test_redrive_calls_and_lines_from_start_to_completed(
+    clock: Clock, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Polled every 0.25 s; an unchanged answer prints nothing; a deadline far away.
+    sqs = ScriptedSqs(script=[[task("RUNNING", 0)], [task("RUNNING", 0)], [task("RUNNING", 2)],
+                              [task("COMPLETED", 4)]])
+    code, out, err = await run(sqs, capsys, poll_seconds=0.25, follow_for=60)
+    assert (code, err) == (0, "")
+    assert out == [*HEAD, STARTED, "moved 0/4 (RUNNING)", "moved 2/4 (RUNNING)",
+                   "moved 4/4 (COMPLETED)"]
+    assert sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ, START, POLL, POLL, POLL, POLL]
+    assert clock.sleeps == [0.25, 0.25, 0.25]
+
+
+async def test_redrive_reads_a_sparse_task_and_waits_for_it_to_appear(
+    clock: Clock, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # No task listed yet (no Results at all, then an empty list), then one without counts.
+    sqs = ScriptedSqs(script=[None, [], [task("RUNNING", moved=None, total=None)],
+                              [task("COMPLETED", 4, 4)]])
+    code, out, err = await run(sqs, capsys, poll_seconds=0.5)
+    assert (code, err) == (0, "")
+    assert out[3:] == ["moved 0/? (RUNNING)", "moved 4/4 (COMPLETED)"]
+    assert sqs.ops().count("ListMessageMoveTasks") == 4 and clock.sleeps == [0.5] * 3
+
+
+async def test_redrive_dry_run_prints_what_would_move_and_starts_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sqs = ScriptedSqs()
+    code, out, err = await run(sqs, capsys, dry_run=True)
+    assert (code, err) == (0, "")
+    assert out == [*HEAD, f"dry run: would move 4 message(s) from {DLQ_ARN} to {SRC_ARN} "
+                          "(StartMessageMoveTask); nothing changed"]
+    assert sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ]
+
+
+@pytest.mark.parametrize("visible,in_flight,shown", [
+    (0, 0, "messages: 0 visible, 0 in flight; maxReceiveCount 3"),
+    # An answer without the counts reads as an empty DLQ.
+    (None, None, "messages: 0 visible, 0 in flight; maxReceiveCount 3"),
+])
+async def test_redrive_with_an_empty_dlq_has_nothing_to_move(
+    capsys: pytest.CaptureFixture[str], visible: int | None, in_flight: int | None, shown: str,
+) -> None:
+    sqs = ScriptedSqs(visible=visible, in_flight=in_flight)
+    code, out, err = await run(sqs, capsys)
+    assert (code, err) == (0, "")
+    assert out == [HEAD[0], shown, "nothing to move"]
+    assert sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ]
+
+
+@pytest.mark.parametrize("visible,in_flight", [(1, 0), (0, 1), (0, 3), (None, 2)])
+async def test_redrive_moves_a_dlq_holding_any_message_visible_or_in_flight(
+    clock: Clock, capsys: pytest.CaptureFixture[str], visible: int | None, in_flight: int,
+) -> None:
+    sqs = ScriptedSqs(visible=visible, in_flight=in_flight)
+    code, out, err = await run(sqs, capsys)
+    assert (code, err) == (0, "")
+    assert out == [HEAD[0], f"messages: {visible or 0} visible, {in_flight} in flight; "
+                            "maxReceiveCount 3", STARTED, "moved 4/4 (COMPLETED)"]
+    assert sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ, START, POLL]
+
+
+@pytest.mark.parametrize("exc,shown", [
+    (sqs_error("AccessDenied", "GetQueueAttributes"),
+     "An error occurred (AccessDenied) when calling the GetQueueAttributes operation: "
+     "AccessDenied says no"),
+    (EndpointConnectionError(endpoint_url=SRC_URL),
+     f'Could not connect to the endpoint URL: "{SRC_URL}"'),
+])
+async def test_redrive_fails_when_the_source_queue_cannot_be_read(
+    capsys: pytest.CaptureFixture[str], exc: BaseException, shown: str,
+) -> None:
+    sqs = ScriptedSqs(fail={"GetQueueAttributes": exc})
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (1, [])
+    assert err == f"sqs-ingest: redrive failed: GetQueueAttributes on {SRC_URL}: {shown}\n"
+    assert sqs.calls == [READ_SOURCE]
+
+
+async def test_redrive_refuses_a_queue_without_a_redrive_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sqs = ScriptedSqs(policy_arn=None)
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (2, [])
+    assert err == (f"sqs-ingest: redrive refused: {SRC_URL} has no RedrivePolicy, so there "
+                   "is no dead-letter queue to move messages from\n")
+    assert sqs.calls == [READ_SOURCE]
+
+
+@pytest.mark.parametrize("arn", [
+    "arn:aws:sns:eu-west-1:111111111111:the-dlq",  # six fields, but not SQS
+    "arn:aws:sqs:eu-west-1:the-dlq",  # five fields
+    "arn:aws:sqs:eu-west-1:111111111111:the-dlq:extra",
+])
+async def test_redrive_fails_on_a_policy_whose_target_is_not_an_sqs_queue_arn(
+    capsys: pytest.CaptureFixture[str], arn: str,
+) -> None:
+    sqs = ScriptedSqs(policy_arn=arn)
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (1, [])
+    assert err == (f"sqs-ingest: redrive failed: dead-letter queue {arn}: "
+                   f"not an SQS queue ARN: {arn}\n")
+    assert sqs.calls == [READ_SOURCE]
+
+
+@pytest.mark.parametrize("failing,code_,calls", [
+    ("GetQueueUrl", "AWS.SimpleQueueService.NonExistentQueue", [READ_SOURCE, FIND_DLQ]),
+    ("GetQueueAttributes:dlq", "AccessDenied", [READ_SOURCE, FIND_DLQ, READ_DLQ]),
+])
+async def test_redrive_fails_when_the_dead_letter_queue_cannot_be_found_or_read(
+    capsys: pytest.CaptureFixture[str], failing: str, code_: str, calls: list[Any],
+) -> None:
+    op = failing.split(":")[0]
+    sqs = ScriptedSqs(fail={failing: sqs_error(code_, op)})
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (1, [])
+    assert err == (f"sqs-ingest: redrive failed: dead-letter queue {DLQ_ARN}: An error "
+                   f"occurred ({code_}) when calling the {op} operation: {code_} says no\n")
+    assert sqs.calls == calls
+
+
+async def test_redrive_fails_when_the_move_task_cannot_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sqs = ScriptedSqs(fail={"StartMessageMoveTask": sqs_error(
+        "AWS.SimpleQueueService.UnsupportedOperation", "StartMessageMoveTask")})
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (1, HEAD)
+    assert err == ("sqs-ingest: redrive failed: StartMessageMoveTask: An error occurred "
+                   "(AWS.SimpleQueueService.UnsupportedOperation) when calling the "
+                   "StartMessageMoveTask operation: "
+                   "AWS.SimpleQueueService.UnsupportedOperation says no\n")
+    assert sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ, START]
+
+
+async def test_redrive_stops_following_when_the_task_list_cannot_be_read(
+    clock: Clock, capsys: pytest.CaptureFixture[str],
+) -> None:
+    sqs = ScriptedSqs(script=[[task("RUNNING", 1)],
+                              sqs_error("AccessDenied", "ListMessageMoveTasks")])
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (1, [*HEAD, STARTED, "moved 1/4 (RUNNING)"])
+    assert err == ("sqs-ingest: redrive: ListMessageMoveTasks failed: An error occurred "
+                   "(AccessDenied) when calling the ListMessageMoveTasks operation: "
+                   "AccessDenied says no (the task goes on; run redrive --dry-run to see "
+                   "what is left)\n")
+    assert sqs.calls[-2:] == [POLL, POLL]
+
+
+@pytest.mark.parametrize("status,reason,shown", [
+    ("FAILED", "AccessDenied on the destination queue",
+     "sqs-ingest: redrive failed: AccessDenied on the destination queue"),
+    ("FAILED", None, "sqs-ingest: redrive failed: no reason given"),
+    ("CANCELLED", "cancelled by the operator",
+     "sqs-ingest: redrive cancelled: cancelled by the operator"),
+    ("CANCELLED", None, "sqs-ingest: redrive cancelled: no reason given"),
+])
+async def test_a_move_task_that_ends_failed_or_cancelled_exits_1_with_its_reason(
+    clock: Clock, capsys: pytest.CaptureFixture[str], status: str, reason: str | None,
+    shown: str,
+) -> None:
+    sqs = ScriptedSqs(script=[[task("RUNNING", 1)], [task(status, 2, reason=reason)]])
+    code, out, err = await run(sqs, capsys)
+    assert (code, out) == (1, [*HEAD, STARTED, "moved 1/4 (RUNNING)", f"moved 2/4 ({status})"])
+    assert err == shown + "\n"
+    assert sqs.ops().count("ListMessageMoveTasks") == 2  # ended: no poll after it
+
+
+async def test_redrive_stops_following_a_task_that_outlasts_follow_for(
+    clock: Clock, capsys: pytest.CaptureFixture[str],
+) -> None:
+    sqs = ScriptedSqs(script=[[task("RUNNING", 1)]])  # never ends
+    code, out, err = await run(sqs, capsys, poll_seconds=1.0, follow_for=2.5)
+    assert (code, out) == (1, [*HEAD, STARTED, "moved 1/4 (RUNNING)"])
+    assert err == "sqs-ingest: redrive: stopped following the task (timeout); it goes on\n"
+    # Polled at 0, 1, 2 and 3 s: the last one past the 2.5 s deadline.
+    assert sqs.ops().count("ListMessageMoveTasks") == 4 and clock.sleeps == [1.0] * 3
+
+
+class RecordingClients:
+    """``service.redrive.sqs_client``: records what each client was made with and hands
+    out ``sqs``."""
+
+    def __init__(self, sqs: ScriptedSqs) -> None:
+        self.sqs = sqs
+        self.made: list[tuple[str, str | None]] = []
+        self.closed = 0
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, region: str, endpoint_url: str | None,
+                       max_pool_connections: int = 50,
+                       session: Any = None) -> AsyncIterator[ScriptedSqs]:
+        self.made.append((region, endpoint_url))
+        try:
+            yield self.sqs
+        finally:
+            self.closed += 1
+
+
+def redrive_settings() -> Any:
+    return settings(queue_url=SRC_URL, aws_region="eu-west-2",
+                    sqs_endpoint_url="http://127.0.0.1:4566")
+
+
+async def test_the_command_runs_on_the_configured_queue_region_and_endpoint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    clients = RecordingClients(ScriptedSqs())
+    monkeypatch.setattr(redrive_module, "sqs_client", clients)
+    assert await redrive_module.main(redrive_settings(), True) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines() == [*HEAD, (
+        f"dry run: would move 4 message(s) from {DLQ_ARN} to {SRC_ARN} "
+        "(StartMessageMoveTask); nothing changed")]
+    assert clients.made == [("eu-west-2", "http://127.0.0.1:4566")] and clients.closed == 1
+    assert clients.sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ]
+
+
+async def test_the_command_moves_and_polls_once_a_second(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock, capsys: pytest.CaptureFixture[str],
+) -> None:
+    sqs = ScriptedSqs(script=[[task("RUNNING", 0)], [task("RUNNING", 3)],
+                              [task("COMPLETED", 4)]])
+    clients = RecordingClients(sqs)
+    monkeypatch.setattr(redrive_module, "sqs_client", clients)
+    assert await redrive_module.main(redrive_settings(), False) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines() == [
+        *HEAD, STARTED, "moved 0/4 (RUNNING)", "moved 3/4 (RUNNING)", "moved 4/4 (COMPLETED)"]
+    assert sqs.calls == [READ_SOURCE, FIND_DLQ, READ_DLQ, START, POLL, POLL, POLL]
+    assert clock.sleeps == [1.0, 1.0]
+    assert clients.made == [("eu-west-2", "http://127.0.0.1:4566")] and clients.closed == 1
