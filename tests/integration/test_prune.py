@@ -371,6 +371,79 @@ async def test_prune_once_over_a_pool_gives_the_lock_back(
         TABLES, 0)
 
 
+async def test_a_pass_over_a_pool_keeps_its_connection(
+    database_url: str, db: asyncpg.Connection,
+) -> None:
+    """The lock is given back by its own statement: the pooled session goes on (ending it
+    is only the way out when that statement cannot run, a pass cancelled mid-statement)."""
+    await completed(db, 2, 40, "old")
+    p = await create_pool(database_url, 1)
+    try:
+        pid = await p.fetchval("SELECT pg_backend_pid()")
+        assert (await prune_once(p, settings(database_url)) or {})["modifications"] == 2
+        assert await p.fetchval("SELECT pg_backend_pid()") == pid
+        assert await db.fetchval("SELECT pg_try_advisory_lock($1)", PRUNE_LOCK_KEY)
+        await db.execute("SELECT pg_advisory_unlock($1)", PRUNE_LOCK_KEY)
+    finally:
+        await p.close()
+
+
+async def test_a_pass_pauses_between_full_batches_and_stops_when_told(
+    database_url: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """INGEST_PRUNE_PAUSE seconds after each full batch; ``stop`` ends the pass between
+    batches (what is left goes next pass). The pause is recorded instead of slept, and the
+    first one sets ``stop``."""
+    from types import SimpleNamespace
+
+    from service import prune
+
+    await completed(db, 5, 40, "old")
+    stop = asyncio.Event()
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        stop.set()
+
+    monkeypatch.setattr(prune, "asyncio", SimpleNamespace(sleep=pause))
+    s = settings(database_url, prune_batch_size=2, prune_pause=0.25)
+    counts = await prune_once(database_url, s, stop=stop)
+    assert counts == {**dict.fromkeys(TABLES, 0), "modifications": 2}
+    assert pauses == [0.25]
+    assert await db.fetchval("SELECT count(*) FROM modifications") == 3
+    # Without ``stop`` the pass runs to the end: batches of 2 and 1, one pause.
+    pauses.clear()
+    counts = await prune_once(database_url, s)
+    assert (counts or {})["modifications"] == 3 and pauses == [0.25]
+
+
+async def test_the_driver_s_errors_leave_a_pass_as_service_errors(
+    database_url: str, db: asyncpg.Connection,
+) -> None:
+    """prune_once's contract: no database is DatabaseUnavailable, a failed statement
+    DatabaseError, each with the driver's error as its cause."""
+    import socket
+
+    from service.errors import DatabaseError, DatabaseUnavailable
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nowhere = f"postgresql://u@127.0.0.1:{port}/d"
+    with pytest.raises(DatabaseUnavailable) as down:
+        await prune_once(nowhere, settings(nowhere))
+    assert isinstance(down.value.__cause__, OSError)
+    await db.execute("ALTER TABLE workers RENAME TO workers_gone")
+    try:
+        with pytest.raises(DatabaseError) as failed:
+            await prune_once(database_url, settings(database_url))
+        assert not isinstance(failed.value, DatabaseUnavailable)
+        assert isinstance(failed.value.__cause__, asyncpg.UndefinedTableError)
+    finally:
+        await db.execute("ALTER TABLE workers_gone RENAME TO workers")
+
+
 # -- dlq replay of a letter whose request is past the retention ---------------------------
 
 
