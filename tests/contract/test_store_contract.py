@@ -528,6 +528,29 @@ async def test_the_destination_gets_each_outcome_whole(backend: Backend) -> None
         assert isinstance(r.completed_at, datetime) and r.completed_at.tzinfo is not None
 
 
+async def test_the_publisher_is_woken_only_when_a_completion_wrote_a_result(
+    backend: Backend,
+) -> None:
+    """The same for completions: results off, a completion writes no result and wakes
+    nobody; results on, a batch whose every claim was lost completes nothing (no wake-up),
+    one that completes does."""
+    off = await backend.store("w-off")
+    await off.claim([msg("r0")])
+    assert len((await off.apply([msg("r0")], ok)).completed) == 1
+    assert not off.outbox_written.is_set()
+
+    a = await backend.store("w-a", results=True)
+    b = await backend.store("w-b", results=True)
+    await b.claim([msg("r1")])
+    res = await a.apply([msg("r1")], ok)  # b's claim: lost for a
+    assert (res.completed, [m.request_id for m in res.lost]) == ([], ["r1"])
+    assert not a.outbox_written.is_set()
+    await a.claim([msg("r2")])
+    assert len((await a.apply([msg("r2")], ok)).completed) == 1
+    assert a.outbox_written.is_set()
+    assert await backend.outbox() == [("r2", "COMPLETED", {"n": 1}, None, None, False)]
+
+
 async def test_the_publisher_is_woken_only_when_a_failure_wrote_a_result(
     backend: Backend,
 ) -> None:

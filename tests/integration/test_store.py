@@ -909,3 +909,30 @@ async def test_no_refusal_takes_no_connection(database_url: str) -> None:
     p = await create_pool(database_url, 1)
     await p.close()
     assert await Store(p, "w-a").note_refusals({}) == {}
+
+
+async def test_results_are_off_unless_asked(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    """``Store(pool, worker_id)``: no results outbox — completions, dead letters and a
+    failure that dead-letters write no row (a deployment without a destination must not
+    fill a table nobody empties)."""
+    a = await registered(pool, "w-a")
+    await a.claim([msg("r1"), msg("r2")])
+    assert len((await a.apply([msg("r1")], ok_handler)).completed) == 1
+    await a.dead_letter([DeadLetter("m-x", "{}", "invalid_payload", "bad", "rx", "t", 1)])
+    assert await a.record_failures([(msg("r2"), "boom")], max_failures=1) == {"r2": 1}
+    assert await db.fetchval("SELECT count(*) FROM dead_letters") == 2
+    assert await db.fetchval("SELECT count(*) FROM outbox") == 0
+    assert not a.outbox_written.is_set()
+
+
+async def test_no_database_names_the_driver_s_error(database_url: str) -> None:
+    """DatabaseUnavailable says why (what the log line and /readyz show): the driver's
+    error type and text, here a pool already closed."""
+    from service.errors import DatabaseUnavailable
+
+    p = await create_pool(database_url, 1)
+    await p.close()
+    with pytest.raises(DatabaseUnavailable) as down:
+        await Store(p, "w-a").heartbeat()
+    assert str(down.value) == "database unavailable: InterfaceError: pool is closed"
+    assert isinstance(down.value.__cause__, asyncpg.InterfaceError)
