@@ -14,10 +14,14 @@ from pydantic import BaseModel
 from structlog.testing import capture_logs
 
 from service import metrics
+from service.budget import MemoryBudget
 from service.handlers import Registry, current_attributes
+from service.labels import ERROR_KINDS
 from service.messages import Message, Received, parse
-from service.payloads import S3Payloads
+from service.payloads import LATER, S3Payloads
 from service.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
+from service.resolve import resolve_batch
+from service.retry import RetryPolicy
 from service.testing import FakeQueue, FakeStore
 from service.worker import EXIT_ACK_FAILED, Worker
 from tests.unit.test_worker import settings, until
@@ -163,9 +167,11 @@ async def test_fetch_reads_the_object_after_checking_its_size() -> None:
     s3 = FakeS3()
     s3.put("k", b"x" * 200_000)
     before = value(metrics.s3_fetched_bytes)
+    fetched = value(metrics.s3_fetches, "fetched")
     r = await s3p(s3, 200_000).fetch(Pointer("payloads", "k"))
     assert isinstance(r, Fetched) and r.data == b"x" * 200_000
     assert value(metrics.s3_fetched_bytes) - before == 200_000
+    assert value(metrics.s3_fetches, "fetched") - fetched == 1
     assert s3.bodies[0].closed
 
 
@@ -194,6 +200,73 @@ async def test_other_s3_errors_are_transient_and_counted(exc: BaseException, kin
     assert value(metrics.s3_errors, kind) - before == 1
 
 
+def s3_error(code: str | None, status: int | None) -> ClientError:
+    """A ClientError as botocore may build it: without the Error code or the HTTP status
+    when the response did not carry one (a HEAD answers no body; S3 answers some errors
+    inside a 200 OK body — then only the code says what happened)."""
+    response: dict[str, Any] = {}
+    if code is not None:
+        response["Error"] = {"Code": code, "Message": "m"}
+    if status is not None:
+        response["ResponseMetadata"] = {"HTTPStatusCode": status}
+    return ClientError(response, "GetObject")
+
+
+#: Every S3 error code and status _error_kind names, with the label it must count under.
+#: A code is shown with a status that decides nothing (200: an error in an OK body), a
+#: status with a code S3 does not name for it, so each row needs its own entry in the map.
+ERROR_KINDS_TABLE = [
+    *[(code, 200, "access_denied") for code in (
+        "AccessDenied", "Forbidden", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+        "ExpiredToken")],
+    ("Unlisted", 403, "access_denied"),
+    ("AccessDenied", None, "access_denied"),  # no ResponseMetadata at all
+    *[(code, 200, "throttled") for code in (
+        "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "503")],
+    ("Unlisted", 429, "throttled"),
+    ("Unlisted", 503, "throttled"),
+    (None, 503, "throttled"),  # no Error in the response
+    ("Unlisted", 500, "server"),
+    ("Unlisted", 502, "server"),
+    ("Unlisted", 504, "server"),
+    ("InvalidRange", 416, "client"),
+    ("KMS.DisabledException", 400, "client"),
+    (None, None, "client"),
+]
+
+
+@pytest.mark.parametrize("code,status,kind", ERROR_KINDS_TABLE)
+async def test_each_s3_error_code_and_status_counts_under_its_kind(
+    code: str | None, status: int | None, kind: str,
+) -> None:
+    """``sqs_ingest_s3_errors_total{kind}``: the label an operator's alert keys on, and
+    what decides whether a failure counts against INGEST_S3_UNREADABLE_AFTER."""
+    s3 = FakeS3()
+    s3.fail["k"] = s3_error(code, status)
+    before = {k: value(metrics.s3_errors, k) for k in ERROR_KINDS}
+    errors = value(metrics.s3_fetches, "error")
+    r = await s3p(s3).fetch(Pointer("payloads", "k"))
+    assert isinstance(r, Unreachable) and r.kind == kind
+    assert r.refused == (kind in ("access_denied", "client"))
+    assert {k: value(metrics.s3_errors, k) - before[k] for k in ERROR_KINDS} == {
+        k: 1.0 if k == kind else 0.0 for k in ERROR_KINDS}
+    assert value(metrics.s3_fetches, "error") - errors == 1
+
+
+async def test_an_s3_failure_reads_as_the_error_s3_gave_and_is_cut_at_500_characters(
+) -> None:
+    s3 = FakeS3()
+    s3.fail["k"] = client_error("SlowDown", 503)
+    s3.fail["long"] = OSError("x" * 600)
+    r = await s3p(s3).fetch(Pointer("payloads", "k"))
+    assert isinstance(r, Unreachable) and r.error == (
+        "s3://payloads/k: ClientError: An error occurred (SlowDown) when calling the "
+        "GetObject operation: SlowDown")
+    long = await s3p(s3).fetch(Pointer("payloads", "long"))
+    assert isinstance(long, Unreachable) and long.kind == "network"
+    assert long.error == "s3://payloads/long: OSError: " + "x" * 491  # 500 after the uri
+
+
 async def test_missing_object_and_truncated_stream() -> None:
     s3 = FakeS3()
     r = await s3p(s3, 1 << 20).fetch(Pointer("payloads", "gone"))
@@ -206,6 +279,70 @@ async def test_missing_object_and_truncated_stream() -> None:
     s3.short_length["long"] = 1  # the stream does not end where its length says
     assert isinstance(await s3p(s3).fetch(Pointer("payloads", "long")),
                       Unreachable)
+
+
+@pytest.mark.parametrize("code,status", [
+    ("NoSuchKey", 404), ("NotFound", 404), ("404", 404), ("NoSuchBucket", 404),
+    # The code alone (no status in the response) ...
+    ("NoSuchKey", None), ("NotFound", None), ("404", None), ("NoSuchBucket", None),
+    # ... and the status alone: a 404 whatever the code (a missing version, no Error).
+    ("NoSuchVersion", 404), (None, 404),
+])
+async def test_every_form_of_a_missing_object_is_a_dead_letter_reason_not_an_s3_error(
+    code: str | None, status: int | None,
+) -> None:
+    s3 = FakeS3()
+    s3.fail["gone"] = s3_error(code, status)
+    missing, errors = value(metrics.s3_fetches, "missing"), value(metrics.s3_fetches, "error")
+    r = await s3p(s3).fetch(Pointer("payloads", "gone"))
+    assert isinstance(r, Refused) and r.reason == "payload_object_missing", r
+    assert value(metrics.s3_fetches, "missing") - missing == 1
+    assert value(metrics.s3_fetches, "error") == errors
+
+
+@pytest.mark.parametrize("code,status", [("AccessDenied", 403), ("NoSuchKeyX", 400),
+                                         ("InternalError", 500), (None, None)])
+async def test_an_error_that_is_no_missing_object_is_no_dead_letter(
+    code: str | None, status: int | None,
+) -> None:
+    s3 = FakeS3()
+    s3.fail["k"] = s3_error(code, status)
+    assert isinstance(await s3p(s3).fetch(Pointer("payloads", "k")), Unreachable)
+
+
+async def test_what_the_dead_letter_of_a_missing_or_cut_object_says() -> None:
+    """The error text a user reads (dead_letters.error; the s3_fetch_failed line)."""
+    s3 = FakeS3()
+    gone = await s3p(s3).fetch(Pointer("payloads", "gone"))
+    assert isinstance(gone, Refused) and gone.error == (
+        "s3://payloads/gone: ClientError: An error occurred (NoSuchKey) when calling the "
+        "GetObject operation: NoSuchKey")
+    s3.put("cut", b"y" * 100)
+    s3.truncate["cut"] = 60
+    cut = await s3p(s3).fetch(Pointer("payloads", "cut"))
+    assert isinstance(cut, Unreachable) and cut.kind == "network"
+    assert cut.error == "s3://payloads/cut: OSError: S3 object truncated at 60 of 100 bytes"
+    s3.put("long", b"z" * 100)
+    s3.short_length["long"] = 1
+    long = await s3p(s3).fetch(Pointer("payloads", "long"))
+    assert isinstance(long, Unreachable) and long.error == (
+        "s3://payloads/long: OSError: S3 object longer than its Content-Length (99 bytes)")
+
+
+async def test_a_stream_longer_than_its_length_is_caught_past_the_first_chunk() -> None:
+    """Over several 64 KiB reads, no read asks for more than the bytes still due: the
+    surplus is found by the end-of-stream read, never written past the buffer."""
+    s3 = FakeS3()
+    s3.put("big", b"z" * 100_000)
+    s3.short_length["big"] = 10
+    before = value(metrics.s3_fetched_bytes)
+    r = await s3p(s3).fetch(Pointer("payloads", "big"))
+    assert isinstance(r, Unreachable) and r.error == (
+        "s3://payloads/big: OSError: S3 object longer than its Content-Length (99990 bytes)")
+    assert value(metrics.s3_fetched_bytes) == before and s3.bodies[0].closed
+    s3.short_length["big"] = 0
+    ok = await s3p(s3).fetch(Pointer("payloads", "big"))
+    assert isinstance(ok, Fetched) and ok.data == b"z" * 100_000
 
 
 async def test_a_batch_s_pointers_are_fetched_concurrently() -> None:
@@ -257,6 +394,178 @@ async def test_delete_of_nothing_calls_nothing_and_a_cancelled_delete_is_passed_
     assert s3.objects == {}
     assert value(metrics.s3_deletes, "deleted") - deleted == 1
     assert value(metrics.s3_deletes, "failed") - failed == 0
+
+
+async def test_a_malformed_pointer_in_a_batch_is_refused_without_an_s3_call() -> None:
+    s3 = FakeS3()
+    s3.put("k", doc("r1"))
+    bad = json.dumps([CURRENT, {"s3BucketName": "Bad_Bucket", "s3Key": "k"}])
+    resolved = await s3p(s3).resolve([Received("bad", "rh", bad),
+                                      Received("ok", "rh", pointer_body("k"))])
+    r = resolved["bad"]
+    assert isinstance(r, Refused) and r.reason == "invalid_envelope" and r.pointer is None
+    assert "not a bucket name" in r.error
+    assert isinstance(resolved["ok"], Fetched)
+    assert [c[2] for c in s3.calls] == ["k"]
+
+
+async def test_a_batch_s_payload_bytes_are_held_for_it_until_it_gives_them_back() -> None:
+    """With a memory budget (INGEST_MAX_INFLIGHT_BYTES) and the batch as owner, what was
+    read stays counted for that batch (until it commits); what could not be read is given
+    back at once. Without an owner (a worker with no budget) nothing is counted."""
+    s3 = FakeS3()
+    s3.put("k0", doc("r0"))
+    s3.put("k1", doc("r1", 100_000))  # not the size of k0's
+    s3.truncate["k1"] = 5  # read fails: its bytes go back
+    batch = [Received("m0", "rh", pointer_body("k0")), Received("m1", "rh", pointer_body("k1"))]
+    payloads = s3p(s3)
+    payloads.budget = MemoryBudget(10_000)
+    owner = object()
+    resolved = await payloads.resolve(batch, owner)
+    assert isinstance(resolved["m0"], Fetched) and isinstance(resolved["m1"], Unreachable)
+    assert payloads.budget.holds(owner) == len(doc("r0")) == payloads.budget.used
+    payloads.budget.give_all(owner)
+    again = await payloads.resolve(batch)  # no owner: not counted
+    assert isinstance(again["m0"], Fetched) and isinstance(again["m1"], Unreachable)
+    assert payloads.budget.used == 0
+
+
+def budgeted(s3: FakeS3, limit: int) -> S3Payloads:
+    payloads = s3p(s3)
+    payloads.budget = MemoryBudget(limit)
+    return payloads
+
+
+async def test_what_does_not_fit_after_a_read_is_left_for_later_and_the_rest_still_decided(
+) -> None:
+    """Room for one payload: the first is read, every other pointer after it is Later
+    (opened, closed unread), and a malformed one further on is still refused."""
+    s3 = FakeS3()
+    for k in ("k0", "k1", "k3"):
+        s3.put(k, doc("r0"))
+    n = len(doc("r0"))
+    payloads = budgeted(s3, n + 10)
+    bad = json.dumps([CURRENT, "nope"])
+    owner = object()
+    resolved = await payloads.resolve(
+        [Received(f"m{i}", "rh", b) for i, b in enumerate(
+            [pointer_body("k0"), pointer_body("k1"), bad, pointer_body("k3")])], owner)
+    assert isinstance(resolved["m0"], Fetched)
+    assert resolved["m1"] is LATER and resolved["m3"] is LATER
+    assert isinstance(resolved["m2"], Refused) and resolved["m2"].reason == "invalid_envelope"
+    assert list(resolved) == ["m0", "m1", "m2", "m3"]
+    assert all(b.closed for b in s3.bodies) and [b.reads for b in s3.bodies][1:] == [0, 0]
+    assert payloads.budget is not None and payloads.budget.holds(owner) == n
+
+
+async def test_a_batch_s_payloads_go_ahead_of_polls_waiting_for_room() -> None:
+    """A poll waits to receive (no room for its share); a batch's payloads that fit are
+    still read at once, all in this round (a batch in flight is urgent: finishing it is
+    what frees memory)."""
+    s3 = FakeS3()
+    s3.put("k0", doc("r0"))
+    s3.put("k1", doc("r1"))
+    payloads = budgeted(s3, 10_000)
+    budget = payloads.budget
+    assert budget is not None and budget.try_take(5_000, "other batch")
+    poll = asyncio.create_task(budget.take(6_000, "poll"))
+    try:
+        await until(lambda: len(budget._waiting) == 1, "the poll waits")  # queued, no room
+        resolved = await payloads.resolve(
+            [Received("m0", "rh", pointer_body("k0")), Received("m1", "rh", pointer_body("k1"))],
+            "batch")
+        assert isinstance(resolved["m0"], Fetched) and isinstance(resolved["m1"], Fetched)
+        assert budget.holds("batch") == 2 * len(doc("r0")) and not poll.done()
+    finally:
+        poll.cancel()
+
+
+async def test_a_batch_holding_no_payload_waits_for_room_for_one_before_the_polls() -> None:
+    """No room for the first payload and the batch holds none: it waits for room for that
+    one (the rest are Later, a malformed one refused at once), and when room comes it is
+    served before a poll that was waiting first."""
+    s3 = FakeS3()
+    s3.put("k0", doc("r0"))
+    s3.put("k1", doc("r1"))
+    n = len(doc("r0"))
+    payloads = budgeted(s3, 1_000)
+    budget = payloads.budget
+    assert budget is not None and budget.try_take(1_000 - n + 1, "other batch")
+    poll = asyncio.create_task(budget.take(1_000 - n + 1, "poll"))
+    batch = [Received("m0", "rh", pointer_body("k0")), Received("m1", "rh", pointer_body("k1")),
+             Received("m2", "rh", json.dumps([CURRENT, "nope"]))]
+    resolving = asyncio.create_task(payloads.resolve(batch, "batch"))
+    try:
+        await until(lambda: any(b.closed for b in s3.bodies), "m1 left for later")
+        assert not resolving.done()
+        budget.give_all("other batch")
+        resolved = await asyncio.wait_for(resolving, 10)
+        assert isinstance(resolved["m0"], Fetched) and resolved["m1"] is LATER
+        assert isinstance(resolved["m2"], Refused) and resolved["m2"].reason == "invalid_envelope"
+        assert budget.holds("batch") == n and not poll.done()  # the poll still waits
+    finally:
+        resolving.cancel()
+        poll.cancel()
+
+
+# -- the batch's S3 step (service.resolve) ------------------------------------------------
+
+
+def policy0() -> RetryPolicy:
+    return RetryPolicy(base_seconds=2, max_seconds=900, rng=lambda: 0.0)  # backoff(1) == 1
+
+
+def msg(mid: str, body: str, group: str | None) -> Received:
+    return Received(mid, f"rh-{mid}", body, group_id=group)
+
+
+@pytest.mark.parametrize("fifo", [True, False])
+async def test_a_payload_left_for_later_takes_the_rest_of_its_fifo_group_with_it(
+    fifo: bool,
+) -> None:
+    """The budget holds one payload: m1's is left for a later round. On a FIFO queue m2,
+    behind it in group G, waits for that round too; H's message does not. On a standard
+    queue (group ids of a fair queue order nothing) only m1 waits."""
+    s3 = FakeS3()
+    s3.put("k0", doc("r0"))
+    s3.put("k1", doc("r1"))
+    payloads = s3p(s3)
+    payloads.budget = MemoryBudget(len(doc("r0")) + 10)
+    part = [msg("m0", pointer_body("k0"), "G"), msg("m1", pointer_body("k1"), "G"),
+            msg("m2", doc("r2").decode(), "G"), msg("h", doc("rh").decode(), "H")]
+    rest, fetched, plan, later = await resolve_batch(
+        payloads, FakeStore(), policy0(), part, fifo, owner=object())
+    assert plan is None and set(fetched) == {"m0"}
+    if fifo:
+        assert ([m.message_id for m in rest], [m.message_id for m in later]) == (
+            ["m0", "h"], ["m1", "m2"])
+    else:
+        assert ([m.message_id for m in rest], [m.message_id for m in later]) == (
+            ["m0", "m2", "h"], ["m1"])
+
+
+@pytest.mark.parametrize("fifo", [True, False])
+async def test_only_a_message_handed_back_holds_back_its_fifo_group(fifo: bool) -> None:
+    """G's head cannot be read now (S3 500: handed back after its backoff): on a FIFO queue
+    the rest of G is handed back with it, at once (``hold_followers`` then keeps them
+    behind it), never parsed ahead of it. D's head is a dead letter (object missing): done,
+    so the rest of D goes on. On a standard queue (a fair queue's group ids) nothing is
+    held back."""
+    s3 = FakeS3()
+    s3.fail["down"] = client_error("InternalError", 500)
+    part = [msg("g0", pointer_body("down"), "G"), msg("g1", doc("rg1").decode(), "G"),
+            msg("d0", pointer_body("gone"), "D"), msg("d1", doc("rd1").decode(), "D"),
+            msg("x", doc("rx").decode(), "X")]
+    rest, fetched, plan, later = await resolve_batch(
+        s3p(s3), FakeStore(), policy0(), part, fifo)
+    assert plan is not None and fetched == {} and later == []
+    assert [(d.sqs_message_id, d.reason) for d in plan.letters] == [("d0", "payload_object_missing")]
+    if fifo:
+        assert [m.message_id for m in rest] == ["d1", "x"]
+        assert plan.deferrals == [(part[0], 1), (part[1], 0)]
+    else:
+        assert [m.message_id for m in rest] == ["g1", "d1", "x"]
+        assert plan.deferrals == [(part[0], 1)]
 
 
 # -- parsing a fetched payload ----------------------------------------------------------
