@@ -936,3 +936,26 @@ async def test_no_database_names_the_driver_s_error(database_url: str) -> None:
         await Store(p, "w-a").heartbeat()
     assert str(down.value) == "database unavailable: InterfaceError: pool is closed"
     assert isinstance(down.value.__cause__, asyncpg.InterfaceError)
+
+
+async def test_a_completion_that_loses_rows_under_the_fence_rolls_back_loudly(
+    pool: asyncpg.Pool, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defence in depth: the fence holds the rows' locks, so the completing statement
+    updates every live row. If it ever did not (a bug, a changed statement), nothing of the
+    batch commits — no request half done — and the error says which invariant broke."""
+    from service import store as store_module
+
+    real = store_module._PgTransactions.complete
+
+    async def loses_one(self: Any, live: Any, outputs: Any) -> int:
+        return await real(self, live[:1], outputs[:1])
+
+    a = await registered(pool, "w-a")
+    await a.claim([msg("r1"), msg("r2")])
+    monkeypatch.setattr(store_module._PgTransactions, "complete", loses_one)
+    with pytest.raises(RuntimeError, match=r"^fenced completion lost rows under lock$"):
+        await a.apply([msg("r1"), msg("r2")], ok_handler)
+    rows = await db.fetch("SELECT request_id, status FROM modifications ORDER BY 1")
+    assert [tuple(r) for r in rows] == [("r1", "IN_PROGRESS"), ("r2", "IN_PROGRESS")]
+    assert await db.fetchval("SELECT count(*) FROM entities") == 0
