@@ -155,9 +155,13 @@ async def test_two_session_test_fails_on_select_then_insert(database_url: str) -
 
 
 _gates: dict[int, asyncio.Event] = {}
+_reached: dict[int, asyncio.Event] = {}
 
 
 async def _checkpoint(conn: asyncpg.Connection) -> None:
+    reached = _reached.get(id(conn))
+    if reached is not None:
+        reached.set()
     gate = _gates.get(id(conn))
     if gate is not None:
         await gate.wait()
@@ -172,12 +176,24 @@ async def two_session_claim(database_url: str, claim_fn: Any) -> None:
         for conn, name in ((a, "w-a"), (b, "w-b")):
             await conn.execute("INSERT INTO workers (worker_id, worker_name, hostname, pid)"
                                " VALUES ($1, $1, 'h', 1)", name)
-        gate_a = asyncio.Event()
-        _gates[id(a)] = gate_a
+        gate_a, reached_a = asyncio.Event(), asyncio.Event()
+        _gates[id(a)], _reached[id(a)] = gate_a, reached_a
         tx = a.transaction()
         await tx.start()
         task_a = asyncio.create_task(claim_fn(a, [msg("same")], "w-a"))
-        await asyncio.sleep(0)  # A has looked (racy) or is inserting (real)
+        # B starts only once A has looked (racy: A waits at its checkpoint) or has claimed,
+        # its row uncommitted (real: done). One event-loop turn was the wait before: when
+        # A's look reached the server after B's insert had committed, A saw the row and the
+        # racy twin XPASSed, a strict failure (the full SQL-mutant run of 2026-11-26 named
+        # it as gc_unknown_owner_kept's first failure; a 0.2 s delay before A's look makes
+        # it every time).
+        looked = asyncio.create_task(reached_a.wait())
+        try:
+            done, _ = await asyncio.wait({task_a, looked}, timeout=60,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            looked.cancel()
+        assert done, "A neither looked nor claimed within 60 s"
         b_pid = b.get_server_pid()
         task_b = asyncio.create_task(claim_fn(b, [msg("same", mid="m-other")], "w-b"))
         # B either blocks on A's uncommitted row, or (racy) has finished looking. Bounded,
@@ -203,6 +219,7 @@ async def two_session_claim(database_url: str, claim_fn: Any) -> None:
         assert wins.count(True) == 1, f"claims won: {wins}"
     finally:
         _gates.clear()
+        _reached.clear()
         await a.close()
         await b.close()
 
