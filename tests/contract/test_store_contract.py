@@ -53,6 +53,7 @@ class Backend(Protocol):
     async def outbox(self) -> list[tuple[str, str, Any, str | None, str | None, bool]]: ...
     async def carried(self, request_id: str) -> tuple[Any, str | None]: ...
     async def age_claims(self, request_ids: list[str], seconds: float) -> None: ...
+    async def age_refusal(self, pointer: str, seconds: float) -> None: ...
     async def lose_migrations(self) -> None: ...
     async def go_down(self) -> None: ...
 
@@ -86,6 +87,9 @@ class FakeBackend:
     async def age_claims(self, request_ids: list[str], seconds: float) -> None:
         for r in request_ids:
             self.db.age_claim(r, seconds)
+
+    async def age_refusal(self, pointer: str, seconds: float) -> None:
+        self.db.refusals[pointer] -= seconds
 
     async def lose_migrations(self) -> None:
         self.db.schema_behind = True
@@ -163,6 +167,11 @@ class RealBackend:
         await self.pool.execute("UPDATE modifications SET received_at = received_at - $2::interval"
                                 " WHERE request_id = ANY($1)", request_ids,
                                 timedelta(seconds=seconds))
+
+    async def age_refusal(self, pointer: str, seconds: float) -> None:
+        await self.pool.execute("UPDATE payload_refusals SET first_refused_at ="
+                                " first_refused_at - $2::interval WHERE pointer = $1",
+                                pointer, timedelta(seconds=seconds))
 
     async def lose_migrations(self) -> None:
         await self.pool.execute("DELETE FROM ingest_schema_migrations")
@@ -636,6 +645,20 @@ async def test_known_pointers_name_the_request_and_its_status(backend: Backend) 
         "s3://payloads/k2": ("r2", "note", "IN_PROGRESS"),
     }
     assert await a.known_pointers([]) == {}
+
+
+async def test_a_refusal_is_counted_from_the_first_per_pointer(backend: Backend) -> None:
+    """S3 refusals (the unreadable-payload rule reads them): seconds since each pointer's
+    FIRST refusal, not reset by later ones, one answer per pointer; nothing for nothing."""
+    a = await backend.store("w-a")
+    k1, k2 = "s3://payloads/k1", "s3://payloads/k2"
+    assert await a.note_refusals({}) == {}
+    first = await a.note_refusals({k1: "AccessDenied"})
+    assert list(first) == [k1] and 0 <= first[k1] < 3600
+    await backend.age_refusal(k1, 3600)
+    again = await (await backend.store("w-b")).note_refusals({k1: "AccessDenied", k2: "x"})
+    assert set(again) == {k1, k2}
+    assert 3600 <= again[k1] < 2 * 3600 and 0 <= again[k2] < 3600
 
 
 async def test_attributes_with_nul_characters_and_binary_values_are_stored(
