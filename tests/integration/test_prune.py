@@ -427,12 +427,11 @@ async def test_the_driver_s_errors_leave_a_pass_as_service_errors(
 
     from service.errors import DatabaseError, DatabaseUnavailable
 
-    with socket.socket() as sock:  # a port nothing listens on
+    with socket.socket() as sock:  # bound, never listening: connections are refused
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    nowhere = f"postgresql://u@127.0.0.1:{port}/d"
-    with pytest.raises(DatabaseUnavailable) as down:
-        await prune_once(nowhere, settings(nowhere))
+        nowhere = f"postgresql://u@127.0.0.1:{sock.getsockname()[1]}/d"
+        with pytest.raises(DatabaseUnavailable) as down:
+            await prune_once(nowhere, settings(nowhere))
     assert isinstance(down.value.__cause__, OSError)
     await db.execute("ALTER TABLE workers RENAME TO workers_gone")
     try:
