@@ -5,6 +5,8 @@ import contextlib
 import functools
 import json
 import os
+import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -36,6 +38,45 @@ def _mutmut_durations() -> dict[str, float]:
         return {}
 
 
+def _checking_a_mutant() -> bool:
+    return "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", "")
+
+
+#: Under mutmut, a test whose setup, call and teardown together take longer than this (wall
+#: seconds) ends the mutant's run as a timeout. The selection's slowest test takes ~8 s.
+MUTANT_TEST_WALL_LIMIT = float(os.environ.get("INGEST_MUTANT_TEST_WALL_LIMIT", "120"))
+MUTMUT_TIMEOUT_EXIT = 36  # mutmut reads this exit code as "timeout" (mutmut/stats.py)
+
+
+def _hung(config: pytest.Config, nodeid: str) -> None:
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # the test's output capture would swallow the reason
+        capture.suspend_global_capture()
+    print(f"\nmutmut: {nodeid} still running after {MUTANT_TEST_WALL_LIMIT:.0f} s (setup, call "
+          "and teardown): this mutant's run ends as a timeout", file=sys.stderr, flush=True)
+    os._exit(MUTMUT_TIMEOUT_EXIT)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """While mutmut checks a mutant, a hung test ends the run as a timeout.
+
+    pytest-timeout cancels its timer once a test has failed, so a mutant that fails a test
+    and then leaves a session idle in a transaction hung in teardown (a pool closing)
+    until mutmut's CPU-time limit — about 85 minutes of wall time at a few per cent of CPU.
+    A plain thread is not cancelled by any pytest hook. Outside a mutant's run: nothing."""
+    if not _checking_a_mutant():
+        yield
+        return
+    watchdog = threading.Timer(MUTANT_TEST_WALL_LIMIT, _hung, args=(item.config, item.nodeid))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under mutmut, while a mutant is checked, the fastest of its tests run first.
 
@@ -44,7 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     listed before it. Sorting by mutmut's own recorded durations changes no verdict, only
     how soon a killed mutant is known (docs/mutation.md measures it). Outside mutmut, and in
     its stats and forced-fail runs, the order is untouched."""
-    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+    if not _checking_a_mutant():
         return
     durations = _mutmut_durations()
     if durations:

@@ -97,3 +97,40 @@ def test_changed_lines_of_a_real_diff(tmp_path: Path, monkeypatch: pytest.Monkey
     f.write_text("a = 1\nb = 20\nc = 3\nd = 4\n")
     monkeypatch.chdir(tmp_path)
     assert g.changed_lines("HEAD", "m.py") == {2, 4}
+
+
+HANGS_AFTER_FAILING = """
+import time
+import pytest
+
+@pytest.fixture
+def stuck():
+    yield
+    time.sleep(4)  # a teardown that waits, like a pool closing on a session left in a transaction
+
+def test_fails_then_hangs(stuck):
+    assert False
+"""
+
+
+@pytest.mark.parametrize(("mutant", "exit"), [("service.x_f__mutmut_1", 36), (None, 1)])
+def test_a_test_that_hangs_under_a_mutant_ends_its_run_as_a_timeout(
+        tmp_path: Path, mutant: str | None, exit: int) -> None:
+    """tests/conftest.py's watchdog: pytest-timeout stops timing a test once it failed, so a
+    mutant whose failing test then hangs in teardown would run until mutmut's CPU limit.
+    Under a mutant the run ends with mutmut's timeout code; otherwise nothing changes."""
+    import os
+    import sys
+
+    (tmp_path / "test_hang.py").write_text(HANGS_AFTER_FAILING)
+    env = {k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"}
+    env["INGEST_MUTANT_TEST_WALL_LIMIT"] = "1"
+    if mutant:
+        env["MUTANT_UNDER_TEST"] = mutant
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+         "--rootdir", str(tmp_path), str(tmp_path / "test_hang.py")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == exit, run.stdout + run.stderr
+    assert ("this mutant's run ends as a timeout" in run.stderr) == bool(mutant)
