@@ -22,6 +22,7 @@ from service.payloads import LATER, S3Payloads
 from service.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
 from service.resolve import resolve_batch
 from service.retry import RetryPolicy
+from service.s3access import AllowList
 from service.testing import FakeQueue, FakeStore
 from service.worker import EXIT_ACK_FAILED, Worker
 from tests.unit.test_worker import settings, until
@@ -60,27 +61,49 @@ def test_pointer_forms_the_extended_clients_write() -> None:
     assert inside.envelope is not None and inside.envelope["MessageId"] == "sns-1"
 
 
+def test_an_s3_key_is_up_to_1024_bytes_of_utf_8_without_nul() -> None:
+    """S3's own limit, in bytes (not characters): the longest key is still a pointer."""
+    for key in ("k" * 1024, "é" * 512):
+        assert find_pointer(pointer_body(key)) == Pointer("payloads", key)
+    for key in ("k" * 1025, "é" * 513, "a\x00b"):
+        r = find_pointer(pointer_body(key))
+        assert isinstance(r, Refused) and r.reason == "invalid_envelope", key
+
+
 @pytest.mark.parametrize("body", [
     json.dumps({"request_id": "r", "type": "note", "payload": {"text": "S3Pointer"}}),
     json.dumps(["some.other.S3Pointer", {"s3BucketName": "payloads", "s3Key": "k"}]),
     json.dumps([CURRENT, {"s3BucketName": "payloads", "s3Key": "k"}, "extra"]),
     sns(json.dumps({"request_id": "r", "type": "note", "payload": {"S3Pointer": 1}})),
     "[not json S3Pointer",
+    # A notification whose Message is no string (the mark elsewhere): not a pointer, no crash.
+    json.dumps({"Type": "Notification", "Message": 5, "Subject": "S3Pointer"}),
+    json.dumps({"Type": "Notification", "Message": None, "Subject": "S3Pointer"}),
+    json.dumps({"Type": "Notification", "Message": ["S3Pointer"]}),
 ])
 def test_anything_else_is_parsed_as_usual(body: str) -> None:
     assert find_pointer(body) is None
 
 
+NOT_A_KEY = "S3 pointer: s3Key is not an S3 key (1 to 1024 bytes)"
+
+
 @pytest.mark.parametrize("where,error", [
-    ("nope", "not an object"),
-    ({"s3BucketName": "Bad_Bucket", "s3Key": "k"}, "not a bucket name"),
-    ({"s3BucketName": "payloads", "s3Key": "k" * 1025}, "not an S3 key"),
-    ({"s3BucketName": "payloads", "s3Key": ""}, "not an S3 key"),
-    ({"s3BucketName": "payloads"}, "not an S3 key"),
+    ("nope", "S3 pointer: second element is not an object"),
+    ({"s3BucketName": "Bad_Bucket", "s3Key": "k"},
+     "S3 pointer: s3BucketName 'Bad_Bucket' is not a bucket name"),
+    ({"s3BucketName": "B" * 100, "s3Key": "k"},  # the dead letter quotes 80 characters
+     f"S3 pointer: s3BucketName {'B' * 80!r} is not a bucket name"),
+    ({"s3BucketName": "payloads", "s3Key": "k" * 1025}, NOT_A_KEY),
+    ({"s3BucketName": "payloads", "s3Key": ""}, NOT_A_KEY),
+    ({"s3BucketName": "payloads"}, NOT_A_KEY),
 ])
 def test_a_malformed_pointer_is_an_invalid_envelope(where: Any, error: str) -> None:
+    """The dead letter's error, as the user reads it (the pointer's own bytes are kept in
+    its body)."""
     r = find_pointer(json.dumps([CURRENT, where]))
-    assert isinstance(r, Refused) and r.reason == "invalid_envelope" and error in r.error
+    assert isinstance(r, Refused) and r.reason == "invalid_envelope" and r.pointer is None
+    assert r.error == error
 
 
 # -- fetching ---------------------------------------------------------------------------
@@ -183,6 +206,28 @@ async def test_too_large_is_refused_without_reading_the_body() -> None:
     assert isinstance(r, Refused) and r.reason == "payload_too_large" and "5000 bytes" in r.error
     assert s3.bodies[0].reads == 0 and s3.bodies[0].closed
     assert value(metrics.s3_fetches, "too_large") - before == 1
+
+
+class NoLengthS3(FakeS3):
+    async def get_object(self, Bucket: str, Key: str, **kw: Any) -> dict[str, Any]:
+        resp = await super().get_object(Bucket, Key, **kw)
+        del resp["ContentLength"]
+        return resp
+
+
+async def test_an_object_of_unknown_length_is_refused_unread_and_sent_no_owner_unless_set(
+) -> None:
+    """A GetObject answer without Content-Length is never read (its size cannot be checked
+    against INGEST_MAX_PAYLOAD_BYTES); and without INGEST_S3_EXPECTED_OWNER no
+    ExpectedBucketOwner goes with the call (botocore refuses a None parameter)."""
+    s3 = NoLengthS3()
+    s3.put("k", b"x" * 10)
+    p = Pointer("payloads", "k")
+    r = await s3p(s3).fetch(p)
+    assert r == Refused(p, "payload_too_large",
+                        "s3://payloads/k: unknown bytes, INGEST_MAX_PAYLOAD_BYTES=1048576")
+    assert s3.bodies[0].reads == 0 and s3.bodies[0].closed
+    assert s3.calls == [("get", "payloads", "k", {})]
 
 
 @pytest.mark.parametrize("exc,kind", [
@@ -428,6 +473,8 @@ async def test_a_batch_s_payload_bytes_are_held_for_it_until_it_gives_them_back(
     again = await payloads.resolve(batch)  # no owner: not counted
     assert isinstance(again["m0"], Fetched) and isinstance(again["m1"], Unreachable)
     assert payloads.budget.used == 0
+    no_budget = await s3p(s3).resolve(batch, owner)  # an owner but no budget: no count
+    assert isinstance(no_budget["m0"], Fetched) and isinstance(no_budget["m1"], Unreachable)
 
 
 def budgeted(s3: FakeS3, limit: int) -> S3Payloads:
@@ -542,6 +589,47 @@ async def test_a_payload_left_for_later_takes_the_rest_of_its_fifo_group_with_it
     else:
         assert ([m.message_id for m in rest], [m.message_id for m in later]) == (
             ["m0", "m2", "h"], ["m1"])
+
+
+class LookupRecordingStore(FakeStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups: list[tuple[str, Any]] = []
+
+    async def known_pointers(self, uris: Any) -> Any:
+        self.lookups.append(("known_pointers", list(uris)))
+        return await super().known_pointers(uris)
+
+    async def note_refusals(self, errors: Any) -> Any:
+        self.lookups.append(("note_refusals", dict(errors)))
+        return await super().note_refusals(errors)
+
+
+async def test_pointers_refused_for_good_need_no_round_trip_to_the_database() -> None:
+    """A malformed pointer, one outside the allow-list and one too large are dead letters
+    whatever PostgreSQL knows: no lookup is made for them. A missing object and an S3
+    failure are looked up (a completed request's redelivery is a duplicate); only a
+    refusal (403) is recorded."""
+    s3 = FakeS3()
+    s3.put("big", b"x" * 100)
+    s3.fail["denied"] = client_error("AccessDenied", 403)
+    store = LookupRecordingStore()
+    part = [msg("bad", json.dumps([CURRENT, "nope"]), None),
+            msg("other", pointer_body("k", bucket="elsewhere"), None),
+            msg("big", pointer_body("big"), None)]
+    rest, _, plan, _ = await resolve_batch(s3p(s3, 99), store, policy0(), part, False)
+    assert plan is not None and rest == []
+    assert [(d.sqs_message_id, d.reason) for d in plan.letters] == [
+        ("bad", "invalid_envelope"), ("other", "payload_bucket_not_allowed"),
+        ("big", "payload_too_large")]
+    assert store.lookups == []
+    part += [msg("gone", pointer_body("gone"), None), msg("denied", pointer_body("denied"), None)]
+    await resolve_batch(s3p(s3, 99), store, policy0(), part, False)
+    assert store.lookups == [
+        ("note_refusals", {"s3://payloads/denied": "s3://payloads/denied: ClientError: An error "
+                           "occurred (AccessDenied) when calling the GetObject operation: "
+                           "AccessDenied"}),
+        ("known_pointers", ["s3://payloads/gone", "s3://payloads/denied"])]
 
 
 @pytest.mark.parametrize("fifo", [True, False])
@@ -886,6 +974,31 @@ async def test_unset_allow_list_reads_no_pointer_and_names_the_variable(
     not_read = [e for e in logs if e["event"] == "s3_pointers_not_read"]
     assert len(not_read) == 1, logs  # one line, not one per pointer
     assert not_read[0]["log_level"] == "warning" and "INGEST_S3_BUCKETS" in str(not_read[0])
+
+
+async def test_the_allow_list_refusal_names_the_list_and_only_an_unset_list_warns_once(
+) -> None:
+    """Refused before any S3 call, the error naming the variable and its value; the
+    s3_pointers_not_read hint ("set INGEST_S3_BUCKETS") is for an unset list, once per
+    process — a list that is set but refuses a pointer logs no such hint."""
+    s3 = FakeS3()
+    s3.put("k", doc("r1"), bucket="elsewhere")
+    p = Pointer("elsewhere", "k")
+    set_list = S3Payloads(s3, 1 << 20, allowed="payloads/tenant-a/,other")
+    unset = S3Payloads(s3, 1 << 20)  # the default: no list, nothing read (fails closed)
+    with capture_logs() as logs:
+        r = await set_list.fetch(p)
+        r2 = await set_list.fetch(p)
+        assert not [e for e in logs if e["event"] == "s3_pointers_not_read"]
+        u = [await unset.fetch(p) for _ in range(3)]
+    assert r == r2 == Refused(p, "payload_bucket_not_allowed",
+                              "s3://elsewhere/k: not in INGEST_S3_BUCKETS=payloads/tenant-a/,other")
+    assert u == [Refused(p, "payload_bucket_not_allowed", "s3://elsewhere/k: INGEST_S3_BUCKETS "
+                         "is not set: no S3 pointer is read")] * 3
+    assert len([e for e in logs if e["event"] == "s3_pointers_not_read"]) == 1
+    assert s3.calls == []
+    parsed = S3Payloads(s3, 1 << 20, allowed=AllowList.parse("elsewhere"))  # given parsed
+    assert isinstance(await parsed.fetch(p), Fetched)
 
 
 async def test_expected_bucket_owner_goes_with_every_s3_call(rig_factory: Any) -> None:
