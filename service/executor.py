@@ -76,8 +76,7 @@ class PlanExecutor:
 
     async def carry_out(self, plan: Plan, flight: InFlight) -> None:
         """Letters durable first, then acks (AckFailed propagates: exit 3), then releases."""
-        letters = [d for d in plan.letters if d.sqs_message_id not in flight.lettered] \
-            if flight.lettered else plan.letters
+        letters = [d for d in plan.letters if d.sqs_message_id not in flight.lettered]
         if letters:
             await self.commit_letters(letters, flight)
         for reason in plan.dead_letter_reasons:
@@ -91,17 +90,14 @@ class PlanExecutor:
             await self.queue.delete_batch(plan.acks)
             flight.resolve(plan.acks)
         # Counted per batch: one increment per (type, outcome), not one per message.
-        per_outcome: collections.Counter[str] = collections.Counter()
         for (type_, outcome), n in collections.Counter(plan.outcomes).items():
             metrics.messages_processed.labels(type_, outcome).inc(n)
-            per_outcome[outcome] += n
         # One line per batch, at debug only (a no-op call at info).
         log.debug("batch_processed", received=len(flight.batch), released=len(plan.releases),
-                  **per_outcome)
+                  **collections.Counter(outcome for _, outcome in plan.outcomes))
         # Releases and the deferrals that need no fresh copy: one ChangeMessageVisibility
-        # call, as before deferrals had a name of their own.
-        back = [*plan.releases, *await self._copy(plan.deferrals)] if plan.deferrals \
-            else plan.releases
+        # call, as before deferrals had a name of their own (_copy of none calls nothing).
+        back = [*plan.releases, *await self._copy(plan.deferrals)]
         if back:
             await self.change_visibility(back)
         if plan.releases or plan.deferrals:
