@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
+from service.bisection import Bisection
+from service.claims import ClaimsRegistry
 from service.errors import DataRejected
+from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
-from service.messages import Message, parse
+from service.messages import Message, Received, parse
+from service.plan import Plan
+from service.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.seams import ClaimResult
 from service.testing import FakeQueue, FakeStore
+from service.visibility import VisibilityHeartbeat
 from tests.unit.test_worker import Harness, body, settings, until
 
 
@@ -275,3 +282,171 @@ async def test_a_message_dead_lettered_by_bisection_keeps_its_request_id() -> No
     d = store.dead[hostile]
     assert (d.reason, d.request_id, d.request_type) == ("rejected_by_database", "hostile-9",
                                                         "note")
+
+
+# -- Bisection on its own, over a stand-in for the batch path (issue 22's survivors) ----------
+
+
+class _Releases(FakeStore):
+    released: list[list[str]]
+
+    async def release(self, messages: Sequence[Message]) -> None:
+        self.released.append([m.request_id for m in messages])
+        await super().release(messages)
+
+
+class _Executor(PlanExecutor):
+    """Records hand-backs (message id, seconds) and dead letters (message id, reason)."""
+
+    def __init__(self, store: FakeStore, limit: ReceiveLimit) -> None:
+        super().__init__(FakeQueue(), store, limit)
+        self.visibility: list[tuple[str, int]] = []
+        self.letters: list[tuple[str, str]] = []
+
+    async def change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
+        self.visibility += [(m.message_id, seconds) for m, seconds in changes]
+
+    async def carry_out(self, plan: Plan, flight: InFlight) -> None:
+        await flight.stop_extender()
+        self.letters += [(d.sqs_message_id, d.reason) for d in plan.letters]
+        flight.resolve(plan.acks)
+
+
+class _Part:
+    """What the batch path does to a part, scripted by request_id: it claims every message
+    (flight and registry, as ``BatchProcessor._process``); the claim fails (DataRejected)
+    if the part holds a ``refused`` message; else a ``handed_back`` message fails its
+    handler and is handed back with that backoff (its FIFO group held back), then the part
+    fails (RuntimeError) if it holds a ``broken`` message, else the rest completes."""
+
+    def __init__(self, registry: Registry, claims: ClaimsRegistry, fifo: bool, *,
+                 refused: AbstractSet[str] = frozenset(), broken: AbstractSet[str] = frozenset(),
+                 handed_back: dict[str, int] | None = None) -> None:
+        self.registry, self.claims, self.fifo = registry, claims, fifo
+        self.refused, self.broken = refused, broken
+        self.handed_back = handed_back or {}
+        self.calls: list[tuple[list[str], bool]] = []  # (request_ids, heartbeat running)
+
+    async def __call__(self, flight: InFlight, part: list[Received]) -> None:
+        messages = [parse(r, self.registry) for r in part]
+        assert all(isinstance(m, Message) for m in messages)
+        mine = [m for m in messages if isinstance(m, Message)]
+        running = flight.extender is not None and not flight.extender.done()
+        self.calls.append(([m.request_id for m in mine], running))
+        for m in mine:
+            self.claims.hold(m.request_id)
+            flight.claimed.append(m)
+        ids = {m.request_id for m in mine}
+        if ids & self.refused:  # the claim statement: before any handler runs
+            raise DataRejected("ProgramLimitExceededError: index row size 5016 exceeds")
+        back = [(m.raw, self.handed_back[m.request_id]) for m in mine
+                if m.request_id in self.handed_back]
+        flight.resolve([r for r, _ in back])
+        if self.fifo:
+            flight.hold(back)
+        if ids & self.broken:  # e.g. a later round of the part (memory budget) fails
+            raise RuntimeError("a failure outside any handler")
+        flight.resolve(part)
+
+
+def _bisect(process: Any, fifo: bool = False, limit: ReceiveLimit | None = None,
+            base_seconds: float = 2.0) -> tuple[Bisection, _Releases, _Executor]:
+    store = _Releases()
+    store.released = []
+    limit = limit or ReceiveLimit(5, fifo)
+    executor = _Executor(store, limit)
+    b = Bisection(process, executor=executor, store=store, registry=process.registry,
+                  policy=RetryPolicy(base_seconds=base_seconds, rng=lambda: 0.0),
+                  limit=limit, fifo=fifo, claims=process.claims,
+                  heartbeat=VisibilityHeartbeat(executor, 30))
+    return b, store, executor
+
+
+def _received(rid: str, group: str | None = None, receive_count: int = 1) -> Received:
+    return Received(f"m-{rid}", f"rh-{rid}", body(rid), receive_count, group_id=group)
+
+
+async def test_a_bisection_gives_back_exactly_the_claims_of_the_failed_part(
+    registry: Registry,
+) -> None:
+    """Each failed part gives back its own claims, in the store and in the registry the
+    own-leak GC spares; a half that completed before keeps its claims held."""
+    claims = ClaimsRegistry()
+    process = _Part(registry, claims, fifo=False, refused={"h"})
+    bisection, store, executor = _bisect(process)
+    batch = [_received(rid) for rid in ("r0", "r1", "r2", "h")]
+    flight = InFlight(batch)
+    await bisection.settle(flight, batch)
+    assert executor.letters == [("m-h", "rejected_by_database")]
+    # The whole batch, then the failed half (r0, r1 completed: theirs stay), then h alone.
+    assert store.released == [["r0", "r1", "r2", "h"], ["r2", "h"], ["h"]]
+    assert sorted(claims) == ["r0", "r1", "r2"]  # h's claims all given back, once each
+    assert sorted(m.request_id for m in flight.claimed) == ["r0", "r1", "r2"]
+    assert flight.unresolved == {}
+
+
+async def test_fifo_a_message_handed_back_by_bisection_waits_behind_its_group(
+    registry: Registry,
+) -> None:
+    """FIFO: a1's handler failed (handed back for 8 s) in the part where a2 then fails
+    alone: a2 waits at least as long as a1, never reappears ahead of it. b, whose group
+    nothing held, gets the plain hand-back delay (0 s with retry_base_seconds=0)."""
+    claims = ClaimsRegistry()
+    process = _Part(registry, claims, fifo=True, refused={"h"}, broken={"a2", "b"},
+                    handed_back={"a1": 8})
+    bisection, _, executor = _bisect(process, fifo=True, base_seconds=0)
+    batch = [_received("a1", "A"), _received("a2", "A"), _received("h", "H"),
+             _received("b", "B")]
+    flight = InFlight(batch)
+    try:
+        await bisection.settle(flight, batch)
+    finally:
+        await flight.stop_extender()
+    assert executor.letters == [("m-h", "rejected_by_database")]
+    assert executor.visibility == [("m-a2", 8), ("m-b", 0)]
+    assert flight.held_groups == {"A": 8, "B": 0}
+    assert flight.unresolved == {}
+
+
+async def test_a_failure_on_the_last_receive_sqs_allows_is_bisected_and_dead_lettered(
+    registry: Registry,
+) -> None:
+    """A queue whose RedrivePolicy moves a message after 3 receives: on its 3rd, a message
+    whose part fails outside any handler (far from the repeat-offender net, 15 receives) is
+    found alone and dead-lettered by the daemon before SQS moves it; its neighbour goes on."""
+    limit = ReceiveLimit(5)
+    limit.policy = RedrivePolicy("arn:aws:sqs:us-east-1:000000000000:dlq", 3)
+    claims = ClaimsRegistry()
+    process = _Part(registry, claims, fifo=False, broken={"x"})
+    bisection, _, executor = _bisect(process, limit=limit)
+    batch = [_received("r0"), _received("x", receive_count=3)]
+    flight = InFlight(batch)
+    try:
+        await bisection.settle(flight, batch)
+    finally:
+        await flight.stop_extender()
+    assert executor.letters == [("m-x", "processing_error")]
+    assert process.calls[1:] == [(["r0"], True), (["x"], True)]  # the halves
+    assert executor.visibility == [] and flight.unresolved == {}
+
+
+async def test_fifo_the_rest_of_a_part_runs_under_the_heartbeat_while_its_group_waits(
+    registry: Registry,
+) -> None:
+    """a2 is held back behind a1 (handed back in the first half): its visibility is set to
+    a1's delay, which stops the heartbeat; c, the rest of that half, is still processed and
+    must stay hidden meanwhile, so the heartbeat runs again before it is."""
+    claims = ClaimsRegistry()
+    process = _Part(registry, claims, fifo=True, refused={"h"}, handed_back={"a1": 8})
+    bisection, _, executor = _bisect(process, fifo=True)
+    batch = [_received("a1", "A"), _received("h", "H"), _received("a2", "A"),
+             _received("c", "C")]
+    flight = InFlight(batch)
+    try:
+        await bisection.settle(flight, batch)
+    finally:
+        await flight.stop_extender()
+    assert executor.letters == [("m-h", "rejected_by_database")]
+    assert ("m-a2", 8) in executor.visibility
+    assert process.calls[-1] == (["c"], True)  # a2 held back, c under the heartbeat
+    assert flight.unresolved == {}
