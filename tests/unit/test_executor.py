@@ -397,3 +397,84 @@ async def test_carry_out_resolves_what_it_hands_back(kind: str) -> None:
     await PlanExecutor(q, FakeStore(), ReceiveLimit(5)).carry_out(plan, flight)
     assert sorted(q.visibility_calls) == sorted((r.message_id, 4) for r in flight.batch)
     assert flight.unresolved == {}
+
+
+class HeartbeatExecutor:
+    """Records each change_visibility call with the flight's hidden_for at that moment, then
+    runs the scripted step for that call (e.g. resolving messages)."""
+
+    def __init__(self, flight: InFlight, steps: list[Any]) -> None:
+        self.flight, self.steps = flight, steps
+        self.calls: list[tuple[list[tuple[str, int]], int]] = []
+
+    async def change_visibility(self, changes: Any) -> None:
+        self.calls.append(([(m.message_id, s) for m, s in changes], self.flight.hidden_for))
+        if len(self.calls) <= len(self.steps):
+            self.steps[len(self.calls) - 1]()
+
+
+def fake_sleep(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """service.visibility.asyncio.sleep records the seconds asked and only yields; a heartbeat
+    that never returns fails on its 10th sleep instead of hanging."""
+    import asyncio
+
+    real_sleep, slept = asyncio.sleep, []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        assert len(slept) < 10, "the heartbeat did not stop"
+        await real_sleep(0)
+
+    monkeypatch.setattr("service.visibility.asyncio.sleep", sleep)
+    return slept
+
+
+EXT = "sqs_ingest_visibility_extensions_total"
+
+
+async def test_heartbeat_extends_each_unresolved_message_every_half_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every vt/2 each unresolved message is hidden for a full vt; hidden_for starts at vt
+    and grows by vt//2 per pass; it returns once nothing is unresolved. vt odd: / vs //."""
+    from service.visibility import VisibilityHeartbeat
+
+    slept, vt = fake_sleep(monkeypatch), 31
+    flight, _ = flight_of(FakeQueue(), 2)
+    m0, m1 = (r.message_id for r in flight.batch)
+    ex = HeartbeatExecutor(flight, [lambda: flight.resolve(flight.batch[:1]),
+                                    lambda: flight.resolve(flight.batch)])
+    before = sample(EXT)
+    await VisibilityHeartbeat(ex, vt)._extend(flight)  # type: ignore[arg-type]
+    assert slept == [15.5, 15.5, 15.5]
+    assert ex.calls == [([(m0, 31), (m1, 31)], 31), ([(m1, 31)], 46)]
+    assert flight.hidden_for == 61
+    assert sample(EXT) - before == 3
+
+
+async def test_heartbeat_stops_at_the_twelve_hour_cap_counted_from_receive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hidden_for is kept across restarts; an extension that would end exactly at the cap is
+    sent, one that would pass it is not (the heartbeat returns without a call)."""
+    from service.settings import SQS_MAX_VISIBILITY
+    from service.visibility import VisibilityHeartbeat
+
+    slept, vt = fake_sleep(monkeypatch), 31
+    flight, _ = flight_of(FakeQueue(), 1)
+    (m0,) = flight.unresolved
+    flight.hidden_for = SQS_MAX_VISIBILITY - vt  # + vt == the cap: still allowed
+    ex = HeartbeatExecutor(flight, [])
+    before = sample(EXT)
+    await VisibilityHeartbeat(ex, vt)._extend(flight)  # type: ignore[arg-type]
+    assert slept == [15.5, 15.5]
+    assert ex.calls == [([(m0, 31)], SQS_MAX_VISIBILITY - 31)]
+    assert flight.hidden_for == SQS_MAX_VISIBILITY - 31 + 15
+    assert sample(EXT) - before == 1
+
+    slept.clear()
+    flight.hidden_for = SQS_MAX_VISIBILITY - vt + 1  # one second past the cap: no call
+    await VisibilityHeartbeat(ex, vt)._extend(flight)  # type: ignore[arg-type]
+    assert slept == [15.5]
+    assert len(ex.calls) == 1
+    assert flight.hidden_for == SQS_MAX_VISIBILITY - vt + 1
+    assert sample(EXT) - before == 1
+    assert flight.unresolved == {m0: flight.batch[0]}
