@@ -362,6 +362,16 @@ def _bisect(process: Any, fifo: bool = False, limit: ReceiveLimit | None = None,
     return b, store, executor
 
 
+async def _settled(bisection: Bisection, batch: list[Received]) -> InFlight:
+    """``settle`` over a fresh flight of ``batch``, its heartbeat stopped afterwards."""
+    flight = InFlight(batch)
+    try:
+        await bisection.settle(flight, batch)
+    finally:
+        await flight.stop_extender()
+    return flight
+
+
 def _received(rid: str, group: str | None = None, receive_count: int = 1) -> Received:
     return Received(f"m-{rid}", f"rh-{rid}", body(rid), receive_count, group_id=group)
 
@@ -397,11 +407,7 @@ async def test_fifo_a_message_handed_back_by_bisection_waits_behind_its_group(
     bisection, _, executor = _bisect(process, fifo=True, base_seconds=0)
     batch = [_received("a1", "A"), _received("a2", "A"), _received("h", "H"),
              _received("b", "B")]
-    flight = InFlight(batch)
-    try:
-        await bisection.settle(flight, batch)
-    finally:
-        await flight.stop_extender()
+    flight = await _settled(bisection, batch)
     assert executor.letters == [("m-h", "rejected_by_database")]
     assert executor.visibility == [("m-a2", 8), ("m-b", 0)]
     assert flight.held_groups == {"A": 8, "B": 0}
@@ -420,11 +426,7 @@ async def test_a_failure_on_the_last_receive_sqs_allows_is_bisected_and_dead_let
     process = _Part(registry, claims, fifo=False, broken={"x"})
     bisection, _, executor = _bisect(process, limit=limit)
     batch = [_received("r0"), _received("x", receive_count=3)]
-    flight = InFlight(batch)
-    try:
-        await bisection.settle(flight, batch)
-    finally:
-        await flight.stop_extender()
+    flight = await _settled(bisection, batch)
     assert executor.letters == [("m-x", "processing_error")]
     assert process.calls[1:] == [(["r0"], True), (["x"], True)]  # the halves
     assert executor.visibility == [] and flight.unresolved == {}
@@ -441,11 +443,7 @@ async def test_fifo_the_rest_of_a_part_runs_under_the_heartbeat_while_its_group_
     bisection, _, executor = _bisect(process, fifo=True)
     batch = [_received("a1", "A"), _received("h", "H"), _received("a2", "A"),
              _received("c", "C")]
-    flight = InFlight(batch)
-    try:
-        await bisection.settle(flight, batch)
-    finally:
-        await flight.stop_extender()
+    flight = await _settled(bisection, batch)
     assert executor.letters == [("m-h", "rejected_by_database")]
     assert ("m-a2", 8) in executor.visibility
     assert process.calls[-1] == (["c"], True)  # a2 held back, c under the heartbeat
