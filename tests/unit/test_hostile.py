@@ -80,6 +80,30 @@ async def test_a_refused_value_costs_only_its_own_message(registry: Registry) ->
     assert len(h.store.claims) <= 9, h.store.claims
 
 
+class _BoomStore(FakeStore):
+    """A store with a bug that only request ``boom`` triggers, in its claim; records each
+    claim's request ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims: list[list[str]] = []
+
+    async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
+        self.claims.append([m.request_id for m in messages])
+        if any(m.request_id == "boom" for m in messages):
+            raise RuntimeError("a bug that only this message triggers")
+        return await super().claim(messages)
+
+
+def _harness(registry: Registry, q: FakeQueue, store: FakeStore) -> Harness:
+    """One poller over ``q`` and ``store``, no jitter."""
+    h = Harness(settings(pollers=1), registry, q)
+    h.store = store
+    h.worker = type(h.worker)(h.worker.s, q, store, registry, visibility_timeout=30,
+                              rng=lambda: 0.0)
+    return h
+
+
 async def test_a_message_that_keeps_failing_alone_is_the_only_one_dead_lettered(
     registry: Registry,
 ) -> None:
@@ -92,18 +116,8 @@ async def test_a_message_that_keeps_failing_alone_is_the_only_one_dead_lettered(
     for m in q.messages.values():
         m.receive_count = 20  # all received far beyond the retry limit already
 
-    class Buggy(FakeStore):
-        async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
-            if any(m.request_id == "boom" for m in messages):
-                raise RuntimeError("a bug that only this message triggers")
-            return await super().claim(messages)
-
-    store = Buggy()
-    h = Harness(settings(pollers=1), registry, q)
-    h.store = store
-    h.worker = type(h.worker)(h.worker.s, q, store, registry, visibility_timeout=30,
-                              rng=lambda: 0.0)
-    async with h:
+    store = _BoomStore()
+    async with _harness(registry, q, store):
         await until(lambda: not q.messages, "every message settled")
     assert [(k, d.reason) for k, d in store.dead.items()] == [(bad, "processing_error")]
     assert sorted(store.rows) == ["r0", "r1", "r2"]
@@ -117,21 +131,8 @@ async def test_a_bug_on_a_first_receive_hands_the_batch_back_whole(registry: Reg
     ids = [q.send(body(f"r{i}", i)) for i in range(3)]
     ids.append(q.send(body("boom", 7)))  # receive_count 1: far from any limit
 
-    class Buggy(FakeStore):
-        claims: list[list[str]] = []
-
-        async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
-            self.claims.append([m.request_id for m in messages])
-            if any(m.request_id == "boom" for m in messages):
-                raise RuntimeError("a bug that only this message triggers")
-            return await super().claim(messages)
-
-    store = Buggy()
-    h = Harness(settings(pollers=1), registry, q)
-    h.store = store
-    h.worker = type(h.worker)(h.worker.s, q, store, registry, visibility_timeout=30,
-                              rng=lambda: 0.0)
-    async with h:
+    store = _BoomStore()
+    async with _harness(registry, q, store):
         await until(lambda: len(q.visibility_calls) >= 4, "the batch handed back")
     assert store.claims[0] == ["r0", "r1", "r2", "boom"]  # one claim for the whole batch
     assert all("boom" in c for c in store.claims)  # never split into halves
