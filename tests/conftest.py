@@ -6,7 +6,6 @@ import functools
 import json
 import os
 import sys
-import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -16,6 +15,7 @@ import pytest
 
 from service.kit import create_template
 from tests.servers import Postgres, localstack_server, moto_server, postgres_server
+from tests.watchdog import bounded
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -61,20 +61,15 @@ def _hung(config: pytest.Config, nodeid: str) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """While mutmut checks a mutant, a hung test ends the run as a timeout.
 
-    pytest-timeout cancels its timer once a test has failed, so a mutant that fails a test
-    and then leaves a session idle in a transaction hung in teardown (a pool closing)
-    until mutmut's CPU-time limit — about 85 minutes of wall time at a few per cent of CPU.
-    A plain thread is not cancelled by any pytest hook. Outside a mutant's run: nothing."""
+    A mutant that failed a test and left a session idle in a transaction hung in teardown
+    (a pool closing) until mutmut's CPU-time limit — about 85 minutes of wall time at a few
+    per cent of CPU (tests/watchdog.py says why pytest-timeout does not end it). Outside a
+    mutant's run: nothing."""
     if not _checking_a_mutant():
         yield
         return
-    watchdog = threading.Timer(MUTANT_TEST_WALL_LIMIT, _hung, args=(item.config, item.nodeid))
-    watchdog.daemon = True
-    watchdog.start()
-    try:
+    with bounded(MUTANT_TEST_WALL_LIMIT, functools.partial(_hung, item.config, item.nodeid)):
         yield
-    finally:
-        watchdog.cancel()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -83,7 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mutmut hands a mutant's tests over as an unordered set and stops at the first failure
     (``-x``), so a mutant a 20 ms unit test kills could first pay for every integration test
     listed before it. Sorting by mutmut's own recorded durations changes no verdict, only
-    how soon a killed mutant is known (docs/mutation.md measures it). Outside mutmut, and in
+    how soon a killed mutant is known (what it bought was not A/B-measured: docs/mutation.md). Outside mutmut, and in
     its stats and forced-fail runs, the order is untouched."""
     if not _checking_a_mutant():
         return

@@ -9,6 +9,7 @@ the tests expected to kill it (tests/integration/test_sql_mutants.py runs them).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import IO
 import pytest
 
 from service.sql import queries
+from tests.watchdog import bounded
 
 STORE = "tests/integration/test_store.py"
 CONTRACT = "tests/contract/test_store_contract.py"
@@ -161,13 +163,10 @@ EQUIVALENT: dict[str, str] = {
 }
 
 
-#: A hang is bounded by a watchdog of the harness' own, not by pytest-timeout: both
-#: pytest-timeout 2.4.0 (pytest-dev/pytest-timeout#196) and pytest's faulthandler plugin
-#: cancel their timers in ``pytest_exception_interact``, i.e. as soon as a test fails, so
-#: a teardown that blocks after a failure — a pool that waits for a connection a stuck task
-#: holds — ran for ever (``outbox_claim_no_skip_locked``, before its tests released their
-#: holder: measured, pytest's ``--timeout 30`` never fired). The watchdog is a daemon thread
-#: that no hook cancels, armed over each test's setup, call and teardown: at its limit it
+#: A hang is bounded by tests/watchdog.py, not by pytest-timeout (which stops timing a failed
+#: test: ``outbox_claim_no_skip_locked``, before its tests released their holder, ran for ever;
+#: measured, pytest's ``--timeout 30`` never fired), armed over each test's setup, call and
+#: teardown: at its limit it
 #: writes every thread's stack to the harness' file and ends the process (exit 1). It needs
 #: the GIL, which a loop blocked in select (asyncpg waiting) does not hold.
 WATCHDOG_SECONDS = "INGEST_TEST_SQL_WATCHDOG_SECONDS"
@@ -202,17 +201,10 @@ def _expire(out: IO[str], nodeid: str, seconds: float) -> None:
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     if not _watchdog:
         return (yield)
-    import threading
-
     out, seconds = _watchdog[0]
     out.write(f"{RUNNING}{item.nodeid}\n")
-    timer = threading.Timer(seconds, _expire, (out, item.nodeid, seconds))
-    timer.daemon = True
-    timer.start()
-    try:
+    with bounded(seconds, functools.partial(_expire, out, item.nodeid, seconds)):
         return (yield)
-    finally:
-        timer.cancel()
 
 
 @dataclass(frozen=True)
