@@ -5,7 +5,7 @@
 messages has been deleted yet — the moment exactly-once exists for. Before dying it writes
 one line, ``crash_point <name>``, to stderr, so a test can tell that the crash happened
 there. For tests only (tests/acceptance/test_crash_point.py): never set it in a deployment.
-The variable is read once, at import; unset, ``crash_point`` compares one constant.
+The variable is read once, at import; unset, ``crash_point`` tests one constant.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _AT = os.environ.get("INGEST_TEST_CRASH_AT") or None
 
 
 def crash_point(name: str) -> None:
-    if _AT != name:
+    if _AT is None or name != _AT:  # unset: never, whatever the name (even a wrong one)
         return
     os.write(2, f"crash_point {name}: SIGKILL (INGEST_TEST_CRASH_AT)\n".encode())
     os.kill(os.getpid(), signal.SIGKILL)

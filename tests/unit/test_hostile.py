@@ -16,6 +16,7 @@ from service.claims import ClaimsRegistry
 from service.errors import DataRejected
 from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
+from service.labels import INVALID_TYPE_LABEL
 from service.messages import Message, Received, parse
 from service.plan import Plan
 from service.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
@@ -303,12 +304,14 @@ class _Executor(PlanExecutor):
         super().__init__(FakeQueue(), store, limit)
         self.visibility: list[tuple[str, int]] = []
         self.letters: list[tuple[str, str]] = []
+        self.plans: list[Plan] = []
 
     async def change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
         self.visibility += [(m.message_id, seconds) for m, seconds in changes]
 
     async def carry_out(self, plan: Plan, flight: InFlight) -> None:
         await flight.stop_extender()
+        self.plans.append(plan)
         self.letters += [(d.sqs_message_id, d.reason) for d in plan.letters]
         flight.resolve(plan.acks)
 
@@ -449,3 +452,89 @@ async def test_fifo_the_rest_of_a_part_runs_under_the_heartbeat_while_its_group_
     assert ("m-a2", 8) in executor.visibility
     assert process.calls[-1] == (["c"], True)  # a2 held back, c under the heartbeat
     assert flight.unresolved == {}
+
+
+class _RefusesBody:
+    """A part whose statement the database refuses while it holds the message with body
+    ``refused`` (e.g. that message's own dead letter, written in the part's transaction);
+    any other part completes."""
+
+    def __init__(self, registry: Registry, refused: str) -> None:
+        self.registry, self.claims, self.refused = registry, ClaimsRegistry(), refused
+
+    async def __call__(self, flight: InFlight, part: list[Received]) -> None:
+        if any(r.body == self.refused for r in part):
+            raise DataRejected("CharacterNotInRepertoireError: invalid byte sequence")
+        flight.resolve(part)
+
+
+async def test_a_message_that_does_not_parse_blamed_by_bisection_is_dead_lettered_whole(
+    registry: Registry,
+) -> None:
+    """Bisection finds a message whose body is not an envelope at all (no request_id, no
+    type): its dead letter is acked for that very message, counted under the label for
+    invalid types, and keeps the database's error text; its neighbour completes."""
+    bad = "\u00ff not an envelope {"
+    process = _RefusesBody(registry, bad)
+    bisection, _, executor = _bisect(process)
+    junk = Received("m-junk", "rh-junk", bad, 1)
+    flight = await _settled(bisection, [_received("r0"), junk])
+    assert executor.letters == [("m-junk", "rejected_by_database")]
+    [plan] = executor.plans
+    assert plan.acks == [junk]
+    assert plan.outcomes == [(INVALID_TYPE_LABEL, "dead_lettered")]
+    [letter] = plan.letters
+    assert (letter.body, letter.request_id, letter.request_type) == (bad, None, None)
+    assert letter.error == "DataRejected: CharacterNotInRepertoireError: invalid byte sequence"
+    assert flight.unresolved == {}
+
+
+class _FailsAfterTheClaim(FakeStore):
+    """A store with a bug in its commit path (after the claims are made); records which
+    claims were still held each time the queue was asked to change a visibility."""
+
+    async def apply(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in the commit path")
+
+
+class _Watching(FakeQueue):
+    def __init__(self, store: FakeStore) -> None:
+        super().__init__()
+        self.store = store
+        self.held_then: list[list[str]] = []
+
+    async def change_visibility_batch(self, changes: Sequence[tuple[Received, int]]) -> list[str]:
+        self.held_then.append(sorted(self.store.rows))
+        return await super().change_visibility_batch(changes)
+
+
+async def test_a_failed_batch_releases_its_claims_before_its_messages_come_back(
+    registry: Registry,
+) -> None:
+    """A batch that fails after its claims were made (the database up): the claims are
+    released first, so a redelivery finds nothing held — not left for a later sweep."""
+    store = _FailsAfterTheClaim()
+    q = _Watching(store)
+    ids = [q.send(body(f"r{i}", i)) for i in range(3)]
+    async with _harness(registry, q, store):
+        await until(lambda: len(q.visibility_calls) >= 3, "the batch handed back")
+    assert sorted(m for m, _ in q.visibility_calls[:3]) == sorted(ids)
+    assert q.held_then[0] == []  # no claim still held when the messages came back
+    assert store.rows == {} and store.dead == {}
+
+
+async def test_a_batch_failed_by_a_bug_is_handed_back_as_is_even_near_the_redrive_limit(
+    registry: Registry,
+) -> None:
+    """A failed batch is the messages' own business (not an outage, not a shutdown): handed
+    back plainly, counting toward the queue's maxReceiveCount — no fresh copy, though on
+    this receive (3rd of 5, retry limit 3) a deferral would have requeued one."""
+    store = _FailsAfterTheClaim()
+    q = FakeQueue()
+    q.max_receive_count = 5
+    mid = q.send(body("r0", 1))
+    q.messages[mid].receive_count = 2
+    async with _harness(registry, q, store):
+        await until(lambda: bool(q.visibility_calls), "handed back")
+    assert [m for m, _ in q.visibility_calls] == [mid] and q.requeued == []
+    assert mid in q.messages

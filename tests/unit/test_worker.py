@@ -376,3 +376,141 @@ async def test_a_database_back_with_an_older_schema_is_not_ready(harness: Harnes
     harness.store.db.schema_behind = False
     await until(lambda: not q.messages, "processed once the schema is current")
     assert calls == [1] and harness.worker.readiness()[0]
+
+
+# -- The commit path's own decisions (BatchProcessor._apply), issue 22's survivors ---------
+
+
+async def test_a_batch_handler_gets_the_received_batch_in_one_call() -> None:
+    """A type with a batch form: the daemon hands it the batch whole, one call for the
+    five messages received together; the one-by-one function is never called."""
+    one: list[int] = []
+    batches: list[list[str]] = []
+
+    async def note(p: Note, conn: Any) -> dict[str, int]:
+        one.append(p.n)
+        return {"n": p.n}
+
+    async def notes(items: list[tuple[str, Any]], conn: Any) -> list[dict[str, Any] | None]:
+        batches.append([rid for rid, _ in items])
+        return [{"n": p.n} for _, p in items]
+
+    registry = Registry()
+    registry.register("note", Note, note)
+    registry.register_batch("note", notes)
+    q = FakeQueue()
+    for i in range(5):
+        q.send(body(f"r{i}", i))
+    async with Harness(settings(pollers=1), registry, q) as h:
+        await until(lambda: not q.messages, "queue drained")
+    assert batches == [[f"r{i}" for i in range(5)]] and one == []
+    assert {r.status for r in h.store.rows.values()} == {"COMPLETED"}
+
+
+async def test_a_claim_lost_before_the_commit_is_deferred_for_the_contention_delay(
+    registry: Registry, calls: list[int],
+) -> None:
+    """The orphan GC took the claim between the claim and the commit (another owner holds
+    it at the fence): nothing is applied for it, and the message comes back after the
+    contention delay — not as a failure, not as a failed batch."""
+    from service.testing import FakeWorker
+
+    q = FakeQueue()
+    mid = q.send(body("r1", 1))
+    h = Harness(settings(pollers=1, contention_delay=40), registry, q)
+    apply = h.store.apply
+
+    async def stolen_then_apply(*args: Any, **kwargs: Any) -> Any:
+        h.store.db.workers["other"] = FakeWorker("other")
+        h.store.rows["r1"].owner = "other"  # what a GC and a replica's new claim leave
+        return await apply(*args, **kwargs)
+
+    h.store.apply = stolen_then_apply  # type: ignore[method-assign]
+    async with h:
+        await until(lambda: any(c[0] == mid for c in q.visibility_calls), "deferred")
+    assert q.visibility_calls == [(mid, 20)]  # contention 40 s, equal jitter with rng=0
+    assert h.store.rows["r1"].status == "IN_PROGRESS" and h.store.failures == {}
+    assert calls == [] and mid in q.messages
+
+
+async def test_a_handler_failure_on_the_queues_last_receive_is_dead_lettered_at_once(
+    registry: Registry,
+) -> None:
+    """The queue's RedrivePolicy moves a message after 3 receives; one received for the 3rd
+    time fails its handler for the first time: the daemon dead-letters it now (one failure
+    is final there) rather than let SQS move it unrecorded."""
+    q = FakeQueue()
+    q.max_receive_count = 3
+    mid = q.send(body("bad", -1))
+    q.messages[mid].receive_count = 2  # two receives by a consumer before this one
+    async with Harness(settings(pollers=1, max_receive_count=5), registry, q) as h:
+        await until(lambda: mid not in q.messages, "acked")
+    letter = h.store.dead[mid]
+    assert (letter.reason, letter.receive_count) == ("max_receives_exceeded", 3)
+    assert h.store.failures == {} and q.dead_lettered_by_sqs == []
+
+
+async def test_the_crash_point_fires_after_the_commit_before_any_delete(
+    registry: Registry, calls: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """INGEST_TEST_CRASH_AT=after_commit_before_delete (read at import; set here on the
+    module): the crash point is reached once the batch's rows are committed and while its
+    message is still on the queue. The kill is replaced by a snapshot of that moment."""
+    import types
+
+    from service import crashpoint
+
+    q = FakeQueue()
+    h = Harness(settings(pollers=1), registry, q)
+    seen: list[tuple[dict[str, str], list[str]]] = []
+
+    def kill(pid: int, sig: int) -> None:
+        seen.append(({k: r.status for k, r in h.store.rows.items()}, list(q.deleted)))
+
+    monkeypatch.setattr(crashpoint, "_AT", crashpoint.AFTER_COMMIT_BEFORE_DELETE)
+    monkeypatch.setattr(crashpoint, "os", types.SimpleNamespace(
+        write=lambda fd, data: len(data), getpid=lambda: 0, kill=kill))
+    mid = q.send(body("r1", 1))
+    async with h:
+        await until(lambda: not q.messages, "acked")
+    assert seen == [({"r1": "COMPLETED"}, [])]
+    assert q.deleted == [mid] and calls == [1]
+
+
+async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
+    registry: Registry,
+) -> None:
+    """With tracing on, the daemon's own path (not tracing's unit) opens one span per step
+    under each message's span: the commit's names the request and parents the handler."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from service import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider, "http://127.0.0.1:1/000000000000/q")
+    try:
+        q = FakeQueue()
+        q.send(body("r1", 1))
+        q.send(body("r2", 2))
+        async with Harness(settings(pollers=1), registry, q):
+            await until(lambda: not q.messages, "acked")
+    finally:
+        tracing.shutdown()
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    steps = sorted((s.name, str((s.attributes or {}).get("sqs_ingest.request_id")))
+                   for s in spans if s.parent is not None and s.parent.span_id in by_id
+                   and by_id[s.parent.span_id].name == "process q")
+    assert steps == [("claim", "r1"), ("claim", "r2"), ("commit", "r1"), ("commit", "r2"),
+                     ("settle", "None"), ("settle", "None")]
+    batch_steps = {s.name: s.attributes for s in spans
+                   if s.parent is not None and s.parent.span_id in by_id
+                   and by_id[s.parent.span_id].name == "sqs-ingest batch"}
+    assert batch_steps["commit"] == {"messaging.batch.message_count": 2}
+    handlers = [s for s in spans if s.name == "handler note"]
+    assert len(handlers) == 2
+    assert {by_id[h.parent.span_id].name for h in handlers if h.parent} == {"commit"}
