@@ -284,6 +284,10 @@ class Worker:
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._batches.discard(task)
         self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            # A bug outside the batch's own guard (BatchProcessor.run's set-up or clean-up):
+            # never a silent "exception was never retrieved" — the daemon stops, exit 1.
+            self._task_exited(task)
 
 
 def _budget(settings: Settings, max_message_bytes: int,

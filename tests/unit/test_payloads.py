@@ -720,14 +720,16 @@ class Rig:
 
     def __init__(self, *, max_bytes: int = 1 << 20, delete_after_ack: bool = False,
                  fifo: bool = False, allowed: str = "payloads",
-                 expected_owner: str | None = None, unreadable_after: float = 3600) -> None:
+                 expected_owner: str | None = None, unreadable_after: float = 3600,
+                 **settings_over: Any) -> None:
         self.events: list[str] = []
         self.queue = AckRecordingQueue(self.events, fifo)
         self.store = FakeStore()
         self.s3 = FakeS3(self.events)
         self.seen: list[tuple[str, dict[str, Any]]] = []
         url = "http://127.0.0.1:1/q.fifo" if fifo else "http://127.0.0.1:1/q"
-        self.worker = Worker(settings(pollers=1, queue_url=url), self.queue, self.store,
+        self.worker = Worker(settings(pollers=1, queue_url=url, **settings_over), self.queue,
+                             self.store,
                              note_registry(self.seen), visibility_timeout=30, rng=lambda: 0.0,
                              payloads=S3Payloads(self.s3, max_bytes, delete_after_ack,
                                                  allowed=allowed,
@@ -1132,3 +1134,37 @@ async def test_aws_s3_itself_is_addressed_by_virtual_host_and_an_unused_client_n
     async with s3_client(unused, "us-east-1", None):
         pass
     assert unused.made == [] and unused.closed == 0
+
+
+async def test_a_batch_whose_payloads_take_rounds_keeps_its_bodies_counted_throughout(
+    rig_factory: Any,
+) -> None:
+    """A budget with room for one payload at a time: a batch of three pointers is resolved
+    and committed in three rounds. Between rounds only the round's payload goes back — the
+    batch's bodies stay counted (they are still in memory) until the batch ends."""
+    pad = "x" * 1400
+    docs = {f"k{i}": json.dumps({"request_id": f"r{i}", "type": "note",
+                                 "payload": {"n": i, "pad": pad}}).encode() for i in range(3)}
+    rig = await rig_factory(max_bytes=2000, max_payload_bytes=2000, max_inflight_bytes=2500)
+    budget = rig.worker.budget
+    used_at_read: list[int] = []
+    get_object = rig.s3.get_object
+
+    async def probed(**kw: Any) -> dict[str, Any]:
+        used_at_read.append(budget.used)
+        return await get_object(**kw)
+
+    rig.s3.get_object = probed
+    for k, data in docs.items():
+        rig.s3.put(k, data)
+    bodies = [pointer_body(k) for k in docs]
+    for b in bodies:
+        rig.queue.send(b)
+    await until(lambda: not rig.queue.messages, "drained")
+    assert sorted(rig.store.rows) == ["r0", "r1", "r2"]
+    # Each round opens every pointer left (3, 2, 1), reads what fits: at each open the
+    # budget holds the bodies and nothing else (the previous round's payload went back; a
+    # poll waiting for its room got none).
+    assert used_at_read == [sum(len(b) for b in bodies)] * 6
+    await rig.stop()
+    assert budget.used == 0

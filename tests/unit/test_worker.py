@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from structlog.testing import capture_logs
 
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
@@ -157,15 +158,21 @@ async def test_ack_failure_exits_3_and_stops_receiving(registry: Registry, calls
     q = RecordingQueue()
     mid = q.send(body("r1", 1))
     q.fail_delete_ids.add(mid)
-    async with Harness(settings(), registry, q) as h:
-        assert h.task is not None
-        code = await asyncio.wait_for(h.task, 10)
+    with capture_logs() as logs:
+        async with Harness(settings(), registry, q) as h:
+            assert h.task is not None
+            code = await asyncio.wait_for(h.task, 10)
     assert code == EXIT_ACK_FAILED
     assert calls == [1]  # the effect is committed...
     assert mid in q.messages  # ...the message is still there, for the restart to resolve
     # No poll began after the failed delete (polls already waiting were cancelled).
     failed_at = q.events.index("delete_failed")
     assert "receive" not in q.events[failed_at + 1:], q.events
+    # What the operator reads: which messages stayed on the queue, and why.
+    [fatal] = [e for e in logs if e["event"] == "fatal"]
+    assert (fatal["reason"], fatal["exit_code"], fatal["message_ids"]) == (
+        "ack_failed", EXIT_ACK_FAILED, [mid])
+    assert "injected: entry failed" in fatal["error"]
 
 
 async def test_transient_failure_backs_off_then_dead_letters(harness: Harness) -> None:
@@ -514,3 +521,41 @@ async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
     handlers = [s for s in spans if s.name == "handler note"]
     assert len(handlers) == 2
     assert {by_id[h.parent.span_id].name for h in handlers if h.parent} == {"commit"}
+
+
+async def test_a_batch_task_that_dies_of_a_bug_stops_the_daemon_with_exit_1(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug outside the batch's guard (here: its duration metric) is not lost as an
+    unretrieved task exception while the daemon carries on: it is logged and the daemon
+    exits 1, for the orchestrator to restart it."""
+    from service import metrics
+    from service.worker import EXIT_FATAL
+
+    def broken(value: float) -> None:
+        raise RuntimeError("a bug in the batch's clean-up")
+
+    monkeypatch.setattr(metrics.batch_duration, "observe", broken)
+    q = FakeQueue()
+    q.send(body("r1", 1))
+    with capture_logs() as logs:
+        async with Harness(settings(pollers=1), registry, q) as h:
+            assert h.task is not None
+            code = await asyncio.wait_for(h.task, 10)
+    assert code == EXIT_FATAL
+    [fatal] = [e for e in logs if e["event"] == "fatal"]
+    assert fatal["reason"] == "task_died" and "a bug in the batch" in fatal["error"]
+
+
+async def test_the_memory_budget_is_whole_again_once_the_batches_are_done(
+    registry: Registry,
+) -> None:
+    """Each batch holds its bodies' bytes in the memory budget (INGEST_MAX_INFLIGHT_BYTES)
+    while it runs and gives them all back when it ends: after a stop nothing is held."""
+    q = FakeQueue()
+    for i in range(12):
+        q.send(body(f"r{i}", i))
+    h = Harness(settings(pollers=1), registry, q)
+    async with h:
+        await until(lambda: not q.messages, "drained")
+    assert h.worker.budget.used == 0
