@@ -315,15 +315,21 @@ async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
     from service.testing import FakeWorker, Row
 
     q = FakeQueue(fifo=True)
-    q.send(body("a1", 1), "A")
-    q.send(body("a2", 2), "A")
-    async with Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q) as h:
-        h.store.db.workers["other"] = FakeWorker("other")  # a live replica
-        h.store.rows["a1"] = Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
-        await until(lambda: len(q.visibility_calls) >= 2, "both deferred")
-        assert calls == []
-        assert "a2" not in h.store.rows  # claimed, then given back: no stale claim left
-        assert len(q.messages) == 2
+    a1 = q.send(body("a1", 1), "A")
+    a2 = q.send(body("a2", 2), "A")
+    h = Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q)
+    h.store.db.workers["other"] = FakeWorker("other")  # a live replica
+    h.store.rows["a1"] = Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
+    with capture_logs() as logs:
+        async with h:
+            await until(lambda: len(q.visibility_calls) >= 2, "both deferred")
+            assert calls == []
+            assert "a2" not in h.store.rows  # claimed, then given back: no stale claim left
+            assert len(q.messages) == 2
+    # Both wait the contention delay (4 s, equal jitter with rng=0): a2 behind a1 — the
+    # batch's own plan, not a failed batch's blanket hand-back.
+    assert sorted(q.visibility_calls[:2]) == sorted([(a1, 2), (a2, 2)])
+    assert not [e for e in logs if e["event"] == "batch_failed"]
 
 
 async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, calls: list[int]) -> None:
@@ -559,3 +565,68 @@ async def test_the_memory_budget_is_whole_again_once_the_batches_are_done(
     async with h:
         await until(lambda: not q.messages, "drained")
     assert h.worker.budget.used == 0
+
+
+async def test_a_transient_store_error_hands_the_batch_back_whole_for_later(
+    registry: Registry, calls: list[int],
+) -> None:
+    """A store seam that raises TransientError (retry later, not an outage): the batch is
+    handed back whole with the retry backoff — not bisected, nothing dead-lettered, the
+    database still up — and completes on a later receive."""
+    from service.errors import TransientError
+
+    q = FakeQueue()
+    ids = [q.send(body(f"r{i}", i)) for i in range(3)]
+    h = Harness(settings(pollers=1), registry, q)
+    claim = h.store.claim
+    failed: list[list[str]] = []
+
+    async def claim_once_busy(messages: Any) -> Any:
+        if not failed:
+            failed.append([m.request_id for m in messages])
+            raise TransientError("lock wait timed out")
+        return await claim(messages)
+
+    h.store.claim = claim_once_busy  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        async with h:
+            await until(lambda: len(q.visibility_calls) >= 3, "handed back")
+            assert sorted(q.visibility_calls) == sorted((m, 1) for m in ids)  # base 2 s, rng 0
+            assert h.worker.readiness()[0]  # not taken for an outage
+            for m in ids:
+                q.messages[m].visible_at = 0
+            await until(lambda: not q.messages, "completed later")
+    assert failed == [["r0", "r1", "r2"]] and sorted(calls) == [0, 1, 2]
+    assert h.store.dead == {}
+    assert [e["error"] for e in logs if e["event"] == "batch_retry_later"] == [
+        "lock wait timed out"]
+
+
+async def test_an_outage_met_by_a_batch_is_reported_with_the_database_s_error(
+    registry: Registry, calls: list[int],
+) -> None:
+    """The batch is the first to meet the outage (its claim): the daemon goes not-ready and
+    its log line says what the database said, then it recovers and completes the message."""
+    from service.errors import DatabaseUnavailable
+
+    q = FakeQueue()
+    mid = q.send(body("r1", 1))
+    h = Harness(settings(pollers=1), registry, q)
+    claim = h.store.claim
+    failed: list[bool] = []
+
+    async def claim_lost(messages: Any) -> Any:
+        if not failed:
+            failed.append(True)
+            raise DatabaseUnavailable("connection lost in claim: ConnectionResetError()")
+        return await claim(messages)
+
+    h.store.claim = claim_lost  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        async with h:
+            await until(lambda: bool(q.visibility_calls), "handed back")
+            q.messages[mid].visible_at = 0
+            await until(lambda: not q.messages, "completed after the outage")
+    assert [e["error"] for e in logs if e["event"] == "database_unavailable"] == [
+        "connection lost in claim: ConnectionResetError()"]
+    assert calls == [1]
