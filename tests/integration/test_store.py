@@ -976,3 +976,30 @@ async def test_a_completion_that_loses_rows_under_the_fence_rolls_back_loudly(
     rows = await db.fetch("SELECT request_id, status FROM modifications ORDER BY 1")
     assert [tuple(r) for r in rows] == [("r1", "IN_PROGRESS"), ("r2", "IN_PROGRESS")]
     assert await db.fetchval("SELECT count(*) FROM entities") == 0
+
+
+
+async def test_a_connection_that_cannot_go_back_to_the_pool_is_an_outage_naming_why(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Handing a connection back fails (the socket died meanwhile; injected on the real
+    pool): the store call ends as DatabaseUnavailable, and its message names the driver's
+    error — what the readiness probe and the log show."""
+    from service.errors import DatabaseUnavailable
+    from service.store import connection
+
+    from asyncpg.pool import PoolAcquireContext
+
+    hand_back = PoolAcquireContext.__aexit__
+
+    async def failing(self: PoolAcquireContext, *exc: Any) -> None:
+        await hand_back(self, *exc)  # the connection goes back; the call then fails
+        raise ConnectionResetError("connection reset by peer")
+
+    with pytest.raises(DatabaseUnavailable) as caught:
+        async with connection(pool) as con:
+            assert await con.fetchval("SELECT 1") == 1
+            monkeypatch.setattr(PoolAcquireContext, "__aexit__", failing)
+    assert str(caught.value) == (
+        "database unavailable: ConnectionResetError: connection reset by peer")
+    assert isinstance(caught.value.__cause__, ConnectionResetError)
