@@ -985,10 +985,10 @@ async def test_a_connection_that_cannot_go_back_to_the_pool_is_an_outage_naming_
     """Handing a connection back fails (the socket died meanwhile; injected on the real
     pool): the store call ends as DatabaseUnavailable, and its message names the driver's
     error — what the readiness probe and the log show."""
+    from asyncpg.pool import PoolAcquireContext
+
     from service.errors import DatabaseUnavailable
     from service.store import connection
-
-    from asyncpg.pool import PoolAcquireContext
 
     hand_back = PoolAcquireContext.__aexit__
 
