@@ -630,3 +630,33 @@ async def test_an_outage_met_by_a_batch_is_reported_with_the_database_s_error(
     assert [e["error"] for e in logs if e["event"] == "database_unavailable"] == [
         "connection lost in claim: ConnectionResetError()"]
     assert calls == [1]
+
+
+async def test_a_message_whose_handler_outlasts_half_the_visibility_timeout_is_kept_hidden() -> None:
+    """The batch's heartbeat, started by the daemon's path: with a 4 s visibility timeout a
+    handler still running after 2 s gets its message's visibility extended (to 4 s more),
+    so no other consumer receives it meanwhile; the handler waits for that extension."""
+    q = FakeQueue()
+    extended = asyncio.Event()
+
+    async def slow(p: Note, conn: Any) -> dict[str, int]:
+        await asyncio.wait_for(extended.wait(), 10)
+        return {"n": p.n}
+
+    registry = Registry()
+    registry.register("note", Note, slow)
+    mid = q.send(body("r1", 1))
+    store = FakeStore()
+    worker = Worker(settings(pollers=1, contention_delay=40), q, store, registry,
+                    visibility_timeout=4, rng=lambda: 0.0)
+    task = asyncio.create_task(worker.run())
+    try:
+        await until(lambda: bool(q.visibility_calls), "an extension")
+        assert q.visibility_calls[0] == (mid, 4)
+        assert q.messages[mid].receive_count == 1  # never received a second time
+        extended.set()
+        await until(lambda: not q.messages, "completed")
+    finally:
+        worker.request_stop()
+        assert await asyncio.wait_for(task, 20) == EXIT_OK
+    assert store.rows["r1"].status == "COMPLETED"
