@@ -660,3 +660,34 @@ async def test_a_message_whose_handler_outlasts_half_the_visibility_timeout_is_k
         worker.request_stop()
         assert await asyncio.wait_for(task, 20) == EXIT_OK
     assert store.rows["r1"].status == "COMPLETED"
+
+
+class _NoSequenceNumbers(FakeQueue):
+    """A FIFO queue whose messages come without a SequenceNumber (as some emulators send
+    them): order within a group is the order of the batch as received."""
+
+    async def receive(self, max_messages: int = 10, wait_seconds: int = 0,
+                      visibility_timeout: int | None = 30) -> list[Any]:
+        import dataclasses
+
+        got = await super().receive(max_messages, wait_seconds, visibility_timeout)
+        return [dataclasses.replace(r, sequence_number=None) for r in got]
+
+
+async def test_fifo_without_sequence_numbers_a_follower_waits_behind_its_group_by_batch_order(
+    registry: Registry, calls: list[int],
+) -> None:
+    """Group A as received: a0 (request x), a1 (x again: a twin, deferred for the
+    contention delay, 20 s with rng=0), a2 (request y, whose handler fails: 1 s backoff).
+    a2 came after a1, so it must not be visible before it: both come back after 20 s —
+    the batch's own order decides, as the messages carry no SequenceNumber."""
+    q = _NoSequenceNumbers(fifo=True)
+    q.send(body("x", 1), "A")
+    a1 = q.send(body("x", 1), "A")
+    a2 = q.send(body("y", -1), "A")
+    h = Harness(settings(pollers=1, contention_delay=40,
+                         queue_url="http://127.0.0.1:1/q.fifo"), registry, q)
+    async with h:
+        await until(lambda: len(q.visibility_calls) >= 2, "a1 and a2 handed back")
+    assert sorted(q.visibility_calls[:2]) == sorted([(a1, 20), (a2, 20)])
+    assert calls == [1]
