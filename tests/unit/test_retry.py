@@ -128,3 +128,20 @@ async def test_wait_any_returns_when_one_event_is_set() -> None:
     pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     await asyncio.sleep(0)
     assert all(t.done() for t in pending)  # the other waiter is cancelled, not leaked
+
+
+def test_the_lowered_limit_warning_is_only_for_a_policy_below_the_configured_count() -> None:
+    """What the operator reads when the queue's RedrivePolicy is read: a warning only when
+    its maxReceiveCount is below INGEST_MAX_RECEIVE_COUNT (the daemon's limit is lowered);
+    equal or above is the plain info line — the limit stays as configured."""
+    from structlog.testing import capture_logs
+
+    arn = "arn:aws:sqs:us-east-1:000000000000:dlq"
+    events = []
+    for count in (4, 5, 6):
+        with capture_logs() as logs:
+            assert ReceiveLimit(5).update(
+                redrive(f'{{"deadLetterTargetArn":"{arn}","maxReceiveCount":{count}}}'))
+        events += [(count, e["event"], e["log_level"]) for e in logs]
+    assert events == [(4, "receive_limit_lowered_by_redrive_policy", "warning"),
+                      (5, "redrive_policy", "info"), (6, "redrive_policy", "info")]
