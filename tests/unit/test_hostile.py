@@ -535,6 +535,7 @@ async def test_a_batch_failed_by_a_bug_is_handed_back_as_is_even_near_the_redriv
     mid = q.send(body("r0", 1))
     q.messages[mid].receive_count = 2
     async with _harness(registry, q, store):
-        await until(lambda: bool(q.visibility_calls), "handed back")
-    assert [m for m, _ in q.visibility_calls] == [mid] and q.requeued == []
-    assert mid in q.messages
+        await until(lambda: bool(q.visibility_calls or q.requeued), "handed back")
+        # Now: once the hand-back delay is over the message may be received again (and
+        # a poll in flight at the stop hands it back as a deferral, a fresh copy).
+        assert [m for m, _ in q.visibility_calls] == [mid] and q.requeued == []
