@@ -978,7 +978,6 @@ async def test_a_completion_that_loses_rows_under_the_fence_rolls_back_loudly(
     assert await db.fetchval("SELECT count(*) FROM entities") == 0
 
 
-
 async def test_a_connection_that_cannot_go_back_to_the_pool_is_an_outage_naming_why(
     pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

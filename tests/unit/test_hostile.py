@@ -518,9 +518,9 @@ async def test_a_failed_batch_releases_its_claims_before_its_messages_come_back(
     ids = [q.send(body(f"r{i}", i)) for i in range(3)]
     async with _harness(registry, q, store):
         await until(lambda: len(q.visibility_calls) >= 3, "the batch handed back")
+        assert store.rows == {} and store.dead == {}  # before the stop's own clean-up
     assert sorted(m for m, _ in q.visibility_calls[:3]) == sorted(ids)
     assert q.held_then[0] == []  # no claim still held when the messages came back
-    assert store.rows == {} and store.dead == {}
 
 
 async def test_a_batch_failed_by_a_bug_is_handed_back_as_is_even_near_the_redrive_limit(
@@ -534,8 +534,9 @@ async def test_a_batch_failed_by_a_bug_is_handed_back_as_is_even_near_the_redriv
     q.max_receive_count = 5
     mid = q.send(body("r0", 1))
     q.messages[mid].receive_count = 2
-    async with _harness(registry, q, store):
+    async with _harness(registry, q, store) as h:
         await until(lambda: bool(q.visibility_calls or q.requeued), "handed back")
+        assert h.worker.limit.must_requeue(3)  # the queue's policy was known: a deferral
         # Now: once the hand-back delay is over the message may be received again (and
         # a poll in flight at the stop hands it back as a deferral, a fresh copy).
         assert [m for m, _ in q.visibility_calls] == [mid] and q.requeued == []

@@ -1140,18 +1140,21 @@ async def test_a_batch_whose_payloads_take_rounds_keeps_its_bodies_counted_throu
     rig_factory: Any,
 ) -> None:
     """A budget with room for one payload at a time: a batch of three pointers is resolved
-    and committed in three rounds. Between rounds only the round's payload goes back — the
-    batch's bodies stay counted (they are still in memory) until the batch ends."""
+    in three rounds, each round's message committed before the next round reads. Between
+    rounds only the round's payload goes back — the batch's bodies stay counted (they are
+    still in memory) until the batch ends."""
     pad = "x" * 1400
     docs = {f"k{i}": json.dumps({"request_id": f"r{i}", "type": "note",
                                  "payload": {"n": i, "pad": pad}}).encode() for i in range(3)}
     rig = await rig_factory(max_bytes=2000, max_payload_bytes=2000, max_inflight_bytes=2500)
     budget = rig.worker.budget
     used_at_read: list[int] = []
+    committed_at_read: list[int] = []
     get_object = rig.s3.get_object
 
     async def probed(**kw: Any) -> dict[str, Any]:
         used_at_read.append(budget.used)
+        committed_at_read.append(len(rig.store.rows))
         return await get_object(**kw)
 
     rig.s3.get_object = probed
@@ -1166,5 +1169,6 @@ async def test_a_batch_whose_payloads_take_rounds_keeps_its_bodies_counted_throu
     # budget holds the bodies and nothing else (the previous round's payload went back; a
     # poll waiting for its room got none).
     assert used_at_read == [sum(len(b) for b in bodies)] * 6
+    assert committed_at_read == [0, 0, 0, 1, 1, 2]  # a commit between rounds
     await rig.stop()
     assert budget.used == 0

@@ -318,7 +318,8 @@ async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
     a1 = q.send(body("a1", 1), "A")
     a2 = q.send(body("a2", 2), "A")
     h = Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q)
-    h.store.db.workers["other"] = FakeWorker("other")  # a live replica
+    # A live replica (its heartbeat far ahead: the GC never collects its claim here).
+    h.store.db.workers["other"] = FakeWorker("other", heartbeat_at=time.monotonic() + 3600)
     h.store.rows["a1"] = Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
     with capture_logs() as logs:
         async with h:
@@ -434,7 +435,7 @@ async def test_a_claim_lost_before_the_commit_is_deferred_for_the_contention_del
     apply = h.store.apply
 
     async def stolen_then_apply(*args: Any, **kwargs: Any) -> Any:
-        h.store.db.workers["other"] = FakeWorker("other")
+        h.store.db.workers["other"] = FakeWorker("other", heartbeat_at=time.monotonic() + 3600)
         h.store.rows["r1"].owner = "other"  # what a GC and a replica's new claim leave
         return await apply(*args, **kwargs)
 
@@ -562,8 +563,17 @@ async def test_the_memory_budget_is_whole_again_once_the_batches_are_done(
     for i in range(12):
         q.send(body(f"r{i}", i))
     h = Harness(settings(pollers=1), registry, q)
+    held: list[int] = []
+    apply = h.store.apply
+
+    async def apply_seen(messages: Any, *args: Any, **kwargs: Any) -> Any:
+        held.append(h.worker.budget.used)
+        return await apply(messages, *args, **kwargs)
+
+    h.store.apply = apply_seen  # type: ignore[method-assign]
     async with h:
         await until(lambda: not q.messages, "drained")
+    assert held and min(held) >= len(body("r0", 0))  # counted while the batch commits
     assert h.worker.budget.used == 0
 
 
@@ -631,6 +641,8 @@ async def test_an_outage_met_by_a_batch_is_reported_with_the_database_s_error(
             await until(lambda: not q.messages, "completed after the outage")
     assert [e["error"] for e in logs if e["event"] == "database_unavailable"] == [
         "connection lost in claim: ConnectionResetError()"]
+    assert [e["event"] for e in logs if e["event"].startswith("database_")] == [
+        "database_unavailable", "database_available"]  # not ready, then ready again
     assert calls == [1]
 
 
@@ -693,3 +705,40 @@ async def test_fifo_without_sequence_numbers_a_follower_waits_behind_its_group_b
         await until(lambda: len(q.visibility_calls) >= 2, "a1 and a2 handed back")
     assert sorted(q.visibility_calls[:2]) == sorted([(a1, 20), (a2, 20)])
     assert calls == [1]
+
+
+async def test_a_batch_that_dies_of_a_bug_while_stopping_is_logged_and_the_exit_stays_0(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop requested while a batch runs; the batch then dies in its clean-up: the drain
+    goes on and the exit is still 0 (its work was committed and acked), with one line."""
+    from service import metrics
+
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(p: Note, conn: Any) -> dict[str, int]:
+        started.set()
+        await asyncio.wait_for(release.wait(), 10)
+        return {"n": p.n}
+
+    def broken(value: float) -> None:
+        raise RuntimeError("a bug in the batch's clean-up")
+
+    monkeypatch.setattr(metrics.batch_duration, "observe", broken)
+    r = Registry()
+    r.register("note", Note, slow)
+    q = FakeQueue()
+    mid = q.send(body("r1", 1))
+    with capture_logs() as logs:
+        h = Harness(settings(pollers=1), r, q)
+        async with h:
+            await asyncio.wait_for(started.wait(), 10)
+            h.worker.request_stop()
+            release.set()
+            assert h.task is not None
+            code = await asyncio.wait_for(h.task, 20)
+    assert code == EXIT_OK and mid not in q.messages
+    assert [e["error"] for e in logs if e["event"] == "task_failed_while_stopping"] == [
+        "RuntimeError(\"a bug in the batch's clean-up\")"]
+    assert not [e for e in logs if e["event"] == "fatal"]
+
