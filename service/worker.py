@@ -106,9 +106,14 @@ class Worker:
         self._done.set()
 
     def _fatal(self, code: int, reason: str, **kw: Any) -> None:
+        """The first fatal decides the exit code; every one is logged (a later ack failure
+        still names the messages it left on the queue)."""
         if self.exit_code == EXIT_OK:
             self.exit_code = code
             log.error("fatal", reason=reason, exit_code=code, **kw)
+        else:
+            log.error("fatal", reason=reason, exit_code=self.exit_code, not_exit_code=code,
+                      **kw)
         self._stop.set()
         self._done.set()
 

@@ -742,3 +742,18 @@ async def test_a_batch_that_dies_of_a_bug_while_stopping_is_logged_and_the_exit_
         "RuntimeError(\"a bug in the batch's clean-up\")"]
     assert not [e for e in logs if e["event"] == "fatal"]
 
+
+
+def test_every_fatal_is_logged_and_the_first_decides_the_exit_code(registry: Registry) -> None:
+    """A batch died (exit 1) and another then failed its acks: the exit stays 1, and the
+    ack failure's line still names the messages it left on the queue."""
+    from service.worker import EXIT_FATAL
+
+    worker = Worker(settings(), FakeQueue(), FakeStore(), registry, visibility_timeout=30)
+    with capture_logs() as logs:
+        worker._fatal(EXIT_FATAL, "task_died", task="batch-m1", error="RuntimeError()")
+        worker._fatal(EXIT_ACK_FAILED, "ack_failed", message_ids=["m2"], error="injected")
+    assert worker.exit_code == EXIT_FATAL and worker.stopping
+    assert [(e["reason"], e["exit_code"], e.get("message_ids")) for e in logs
+            if e["event"] == "fatal"] == [("task_died", EXIT_FATAL, None),
+                                          ("ack_failed", EXIT_FATAL, ["m2"])]
