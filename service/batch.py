@@ -73,7 +73,6 @@ class BatchProcessor:
         self.policy = policy
         self.health = health
         self.fifo = fifo
-        self.visibility_timeout = visibility_timeout
         self.invoker = Invoker(registry, handler_timeout)
         # The live dead-letter limit: maintenance updates it from the queue's RedrivePolicy.
         self.limit = limit

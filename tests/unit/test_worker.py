@@ -757,3 +757,24 @@ def test_every_fatal_is_logged_and_the_first_decides_the_exit_code(registry: Reg
     assert [(e["reason"], e["exit_code"], e.get("message_ids")) for e in logs
             if e["event"] == "fatal"] == [("task_died", EXIT_FATAL, None),
                                           ("ack_failed", EXIT_FATAL, ["m2"])]
+
+
+async def test_batch_duration_is_observed_once_per_batch_in_seconds(registry: Registry) -> None:
+    """sqs_ingest_batch_duration_seconds (SPEC §6): one observation per batch, the batch's
+    own wall time — a fraction of a second here, not a clock reading."""
+    from service import metrics
+
+    def observed() -> tuple[float, float]:
+        [metric] = metrics.batch_duration.collect()
+        samples = {s.name: s.value for s in metric.samples}
+        return (samples["sqs_ingest_batch_duration_seconds_count"],
+                samples["sqs_ingest_batch_duration_seconds_sum"])
+
+    count, total = observed()
+    q = FakeQueue()
+    q.send(body("r1", 1))
+    async with Harness(settings(pollers=1), registry, q):
+        await until(lambda: not q.messages, "acked")
+    count2, total2 = observed()
+    assert count2 - count == 1
+    assert 0 < total2 - total < 10
