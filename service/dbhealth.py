@@ -29,6 +29,9 @@ class DatabaseHealth:
         self.store = store
         self.stop = stop
         self.on_recovered = on_recovered
+        # This worker's heartbeat, refreshed before receiving again; the worker sets it to
+        # Maintenance.beat, which also registers a row pruned during a long outage.
+        self.beat: Callable[[], Awaitable[object]] = store.heartbeat
         self.up = asyncio.Event()
         self.up.set()
         self.schema_ok = True
@@ -80,8 +83,9 @@ class DatabaseHealth:
             return False
         try:
             # Refresh our heartbeat before claiming again: after a long outage other
-            # replicas would otherwise see our new claims under a stale heartbeat.
-            await self.store.heartbeat()
+            # replicas would otherwise see our new claims under a stale heartbeat — or,
+            # if our row was pruned meanwhile, under no row at all (orphans to their GC).
+            await self.beat()
             # A database restored from a backup may be behind this code's migrations.
             await self.store.check_schema()
         except SchemaBehind as exc:

@@ -88,6 +88,7 @@ class Worker:
             settings, queue, store, self.health, self.batches.holding, self.started_at,
             self.limit, publisher,
         )
+        self.health.beat = self.maintenance.beat  # a row pruned in an outage: registered again
 
     # -- lifecycle ---------------------------------------------------------------------
 

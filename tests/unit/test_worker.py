@@ -778,3 +778,38 @@ async def test_batch_duration_is_observed_once_per_batch_in_seconds(registry: Re
     count2, total2 = observed()
     assert count2 - count == 1
     assert 0 < total2 - total < 10
+
+
+async def test_after_an_outage_a_worker_row_pruned_meanwhile_is_back_before_any_claim(
+    registry: Registry, calls: list[int],
+) -> None:
+    """This worker's row was pruned while the database was away (a long outage): when it
+    is back, the row is registered again before the next claim — not at the next heartbeat
+    tick (20 s here), in between every claim would have an owner other replicas' GC takes
+    for gone."""
+    q = FakeQueue()
+    h = Harness(settings(pollers=1, worker_lease=60), registry, q)
+    with_row: list[bool] = []
+    claim = h.store.claim
+
+    async def claim_seen(messages: Any) -> Any:
+        present = h.store.worker_id in h.store.db.workers
+        result = await claim(messages)
+        with_row.append(present)  # only claims that reached the database
+        return result
+
+    h.store.claim = claim_seen  # type: ignore[method-assign]
+    await h.store.register_worker("w")  # as `run` does before the worker starts (app.py)
+    async with h:
+        await until(lambda: h.worker.readiness()[0], "ready")
+        assert h.store.worker_id in h.store.db.workers
+        h.store.db.down = True
+        mid = q.send(body("r1", 1))
+        await until(lambda: not h.worker.readiness()[0], "not ready")
+        del h.store.db.workers[h.store.worker_id]  # pruned while the database was away
+        h.store.db.down = False
+        await until(lambda: h.worker.readiness()[0], "ready again")
+        if mid in q.messages:
+            q.messages[mid].visible_at = 0
+        await until(lambda: not q.messages, "completed")
+    assert with_row == [True] and calls == [1]
