@@ -78,8 +78,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mutmut hands a mutant's tests over as an unordered set and stops at the first failure
     (``-x``), so a mutant a 20 ms unit test kills could first pay for every integration test
     listed before it. Sorting by mutmut's own recorded durations changes no verdict, only
-    how soon a killed mutant is known (what it bought was not A/B-measured: docs/mutation.md). Outside mutmut, and in
-    its stats and forced-fail runs, the order is untouched."""
+    how soon a killed mutant is known (what it bought was not A/B-measured:
+    docs/mutation.md). Outside mutmut, and in its stats and forced-fail runs, the order is
+    untouched."""
     if not _checking_a_mutant():
         return
     durations = _mutmut_durations()

@@ -309,17 +309,23 @@ def _hash(payload: dict[str, Any]) -> str:
     return payload_hash(payload)
 
 
+def _live_replica(store: FakeStore) -> None:
+    """Worker "other", alive: its heartbeat far ahead, so no GC collects its claims here."""
+    from service.testing import FakeWorker
+
+    store.db.workers["other"] = FakeWorker("other", heartbeat_at=time.monotonic() + 3600)
+
+
 async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
     registry: Registry, calls: list[int]
 ) -> None:
-    from service.testing import FakeWorker, Row
+    from service.testing import Row
 
     q = FakeQueue(fifo=True)
     a1 = q.send(body("a1", 1), "A")
     a2 = q.send(body("a2", 2), "A")
     h = Harness(settings(queue_url="http://127.0.0.1:1/q.fifo"), registry, q)
-    # A live replica (its heartbeat far ahead: the GC never collects its claim here).
-    h.store.db.workers["other"] = FakeWorker("other", heartbeat_at=time.monotonic() + 3600)
+    _live_replica(h.store)
     h.store.rows["a1"] = Row("a1", "note", _hash({"n": 1}), "IN_PROGRESS", "other")
     with capture_logs() as logs:
         async with h:
@@ -427,15 +433,13 @@ async def test_a_claim_lost_before_the_commit_is_deferred_for_the_contention_del
     """The orphan GC took the claim between the claim and the commit (another owner holds
     it at the fence): nothing is applied for it, and the message comes back after the
     contention delay — not as a failure, not as a failed batch."""
-    from service.testing import FakeWorker
-
     q = FakeQueue()
     mid = q.send(body("r1", 1))
     h = Harness(settings(pollers=1, contention_delay=40), registry, q)
     apply = h.store.apply
 
     async def stolen_then_apply(*args: Any, **kwargs: Any) -> Any:
-        h.store.db.workers["other"] = FakeWorker("other", heartbeat_at=time.monotonic() + 3600)
+        _live_replica(h.store)
         h.store.rows["r1"].owner = "other"  # what a GC and a replica's new claim leave
         return await apply(*args, **kwargs)
 
@@ -530,19 +534,26 @@ async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
     assert {by_id[h.parent.span_id].name for h in handlers if h.parent} == {"commit"}
 
 
-async def test_a_batch_task_that_dies_of_a_bug_stops_the_daemon_with_exit_1(
-    registry: Registry, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A bug outside the batch's guard (here: its duration metric) is not lost as an
-    unretrieved task exception while the daemon carries on: it is logged and the daemon
-    exits 1, for the orchestrator to restart it."""
+@pytest.fixture
+def bug_in_batch_clean_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch fails in its clean-up (its duration metric), outside its own guard."""
     from service import metrics
-    from service.worker import EXIT_FATAL
 
     def broken(value: float) -> None:
         raise RuntimeError("a bug in the batch's clean-up")
 
     monkeypatch.setattr(metrics.batch_duration, "observe", broken)
+
+
+@pytest.mark.usefixtures("bug_in_batch_clean_up")
+async def test_a_batch_task_that_dies_of_a_bug_stops_the_daemon_with_exit_1(
+    registry: Registry,
+) -> None:
+    """A bug outside the batch's guard (here: its duration metric) is not lost as an
+    unretrieved task exception while the daemon carries on: it is logged and the daemon
+    exits 1, for the orchestrator to restart it."""
+    from service.worker import EXIT_FATAL
+
     q = FakeQueue()
     q.send(body("r1", 1))
     with capture_logs() as logs:
@@ -577,6 +588,22 @@ async def test_the_memory_budget_is_whole_again_once_the_batches_are_done(
     assert h.worker.budget.used == 0
 
 
+def _claim_fails_once(store: FakeStore, exc: Exception) -> list[list[str]]:
+    """The store's next claim raises ``exc`` (later ones go through); returns the request
+    ids of the claim that failed, once it has."""
+    claim = store.claim
+    failed: list[list[str]] = []
+
+    async def claim_once(messages: Any) -> Any:
+        if not failed:
+            failed.append([m.request_id for m in messages])
+            raise exc
+        return await claim(messages)
+
+    store.claim = claim_once  # type: ignore[method-assign]
+    return failed
+
+
 async def test_a_transient_store_error_hands_the_batch_back_whole_for_later(
     registry: Registry, calls: list[int],
 ) -> None:
@@ -588,16 +615,7 @@ async def test_a_transient_store_error_hands_the_batch_back_whole_for_later(
     q = FakeQueue()
     ids = [q.send(body(f"r{i}", i)) for i in range(3)]
     h = Harness(settings(pollers=1), registry, q)
-    claim = h.store.claim
-    failed: list[list[str]] = []
-
-    async def claim_once_busy(messages: Any) -> Any:
-        if not failed:
-            failed.append([m.request_id for m in messages])
-            raise TransientError("lock wait timed out")
-        return await claim(messages)
-
-    h.store.claim = claim_once_busy  # type: ignore[method-assign]
+    failed = _claim_fails_once(h.store, TransientError("lock wait timed out"))
     with capture_logs() as logs:
         async with h:
             await until(lambda: len(q.visibility_calls) >= 3, "handed back")
@@ -623,16 +641,7 @@ async def test_an_outage_met_by_a_batch_is_reported_with_the_database_s_error(
     q = FakeQueue()
     mid = q.send(body("r1", 1))
     h = Harness(settings(pollers=1), registry, q)
-    claim = h.store.claim
-    failed: list[bool] = []
-
-    async def claim_lost(messages: Any) -> Any:
-        if not failed:
-            failed.append(True)
-            raise DatabaseUnavailable("connection lost in claim: ConnectionResetError()")
-        return await claim(messages)
-
-    h.store.claim = claim_lost  # type: ignore[method-assign]
+    _claim_fails_once(h.store, DatabaseUnavailable("connection lost in claim: ConnectionResetError()"))
     with capture_logs() as logs:
         async with h:
             await until(lambda: bool(q.visibility_calls), "handed back")
@@ -707,24 +716,18 @@ async def test_fifo_without_sequence_numbers_a_follower_waits_behind_its_group_b
     assert calls == [1]
 
 
+@pytest.mark.usefixtures("bug_in_batch_clean_up")
 async def test_a_batch_that_dies_of_a_bug_while_stopping_is_logged_and_the_exit_stays_0(
-    registry: Registry, monkeypatch: pytest.MonkeyPatch,
+    registry: Registry,
 ) -> None:
     """A stop requested while a batch runs; the batch then dies in its clean-up: the drain
     goes on and the exit is still 0 (its work was committed and acked), with one line."""
-    from service import metrics
-
     started, release = asyncio.Event(), asyncio.Event()
 
     async def slow(p: Note, conn: Any) -> dict[str, int]:
         started.set()
         await asyncio.wait_for(release.wait(), 10)
         return {"n": p.n}
-
-    def broken(value: float) -> None:
-        raise RuntimeError("a bug in the batch's clean-up")
-
-    monkeypatch.setattr(metrics.batch_duration, "observe", broken)
     r = Registry()
     r.register("note", Note, slow)
     q = FakeQueue()
