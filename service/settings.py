@@ -102,6 +102,9 @@ class Settings(BaseSettings):
             the queue's RedrivePolicy maxReceiveCount when that is smaller (service.redrive).
         pollers: concurrent long-poll loops.
         max_inflight_batches: received batches being processed at once (bounds memory).
+        receives_per_batch: with a backlog, up to this many full receives (10 messages
+            each) make one batch: one claim and one completing transaction for all of
+            them (1 = one receive per batch; FIFO queues always 1).
         wait_time_seconds: long-poll wait (SQS maximum 20).
         shutdown_timeout: seconds to finish in-flight work after SIGTERM.
         handlers: comma-separated modules imported at startup to register handlers.
@@ -166,6 +169,7 @@ class Settings(BaseSettings):
     max_receive_count: int = Field(5, ge=1, le=1000)
     pollers: int = Field(8, ge=1, le=64)
     max_inflight_batches: int = Field(0, ge=0, le=512)
+    receives_per_batch: int = Field(3, ge=1, le=10)
     wait_time_seconds: int = Field(20, ge=0, le=20)
     shutdown_timeout: float = Field(30.0, gt=0)
     handlers: str = ""

@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
+from service.errors import TransientError
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
 from service.settings import Settings
@@ -79,9 +80,10 @@ class RecordingQueue(FakeQueue):
 
 
 class Harness:
-    def __init__(self, s: Settings, registry: Registry, queue: FakeQueue) -> None:
+    def __init__(self, s: Settings, registry: Registry, queue: FakeQueue,
+                 store: FakeStore | None = None) -> None:
         self.queue = queue
-        self.store = FakeStore()
+        self.store = store or FakeStore()
         self.worker = Worker(s, queue, self.store, registry,
                              visibility_timeout=30, rng=lambda: 0.0)
         self.task: asyncio.Task[int] | None = None
@@ -816,3 +818,108 @@ async def test_after_an_outage_a_worker_row_pruned_meanwhile_is_back_before_any_
             q.messages[mid].visible_at = 0
         await until(lambda: not q.messages, "completed")
     assert with_row == [True] and calls == [1]
+
+
+
+# -- a backlog: several receives per batch (INGEST_RECEIVES_PER_BATCH) -----------------------
+
+
+class ClaimSizes(FakeStore):
+    """FakeStore that records how many messages each claim statement carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    async def claim(self, messages: Any) -> Any:
+        self.sizes.append(len(messages))
+        return await super().claim(messages)
+
+
+class WaitsQueue(FakeQueue):
+    """FakeQueue that records each receive's WaitTimeSeconds, and can refuse one receive."""
+
+    def __init__(self, fifo: bool = False, refuse: int | None = None) -> None:
+        super().__init__(fifo)
+        self.waits: list[int] = []
+        self.refuse = refuse  # the index of the receive that raises TransientError
+        self.just_received = False
+
+    async def receive(self, max_messages: int = 10, wait_seconds: int = 0,
+                      visibility_timeout: int | None = 30) -> Any:
+        self.waits.append(wait_seconds)
+        if self.refuse is not None and len(self.waits) - 1 == self.refuse:
+            raise TransientError("ReceiveMessage failed: injected")
+        try:
+            return await super().receive(max_messages, wait_seconds, visibility_timeout)
+        finally:
+            self.just_received = True
+
+
+async def drain_backlog(s: Settings, registry: Registry, q: FakeQueue, n: int,
+                        group: str | None = None, harness: Harness | None = None) -> ClaimSizes:
+    """Send ``n`` messages, then run a worker until every one is completed and acked."""
+    for i in range(n):
+        q.send(body(f"b{i}", i), group)
+    h = harness or Harness(s, registry, q, ClaimSizes())
+    assert isinstance(h.store, ClaimSizes)
+    async with h:
+        await until(lambda: not q.messages, "backlog drained")
+        await until(lambda: len(h.store.rows) == n, "every request completed")
+    assert sum(h.store.sizes) == n  # each claimed once
+    return h.store
+
+
+async def test_a_backlog_is_claimed_three_receives_at_a_time(registry: Registry,
+                                                             calls: list[int]) -> None:
+    q = WaitsQueue()
+    store = await drain_backlog(settings(pollers=1, receives_per_batch=3), registry, q, 25)
+    assert store.sizes == [25]  # 10 + 10 + 5: one claim, one completing transaction
+    assert sorted(calls) == list(range(25))  # each applied once
+    # The follow-ups never wait (a long poll would hold the first ten meanwhile); the one
+    # that came back with five ended the batch.
+    assert q.waits[:3] == [1, 0, 0]
+
+
+async def test_one_receive_per_batch_when_set_to_one(registry: Registry) -> None:
+    q = WaitsQueue()
+    store = await drain_backlog(settings(pollers=1, receives_per_batch=1), registry, q, 25)
+    assert store.sizes == [10, 10, 5]
+    assert 0 not in q.waits
+
+
+async def test_fifo_batches_take_one_receive(registry: Registry) -> None:
+    q = WaitsQueue(fifo=True)
+    s = settings(queue_url="http://127.0.0.1:1/q.fifo", pollers=1, receives_per_batch=3)
+    store = await drain_backlog(s, registry, q, 25)
+    assert max(store.sizes) <= 10
+    assert 0 not in q.waits
+
+
+async def test_a_failed_follow_up_receive_keeps_what_the_first_brought(
+    registry: Registry, calls: list[int]
+) -> None:
+    q = WaitsQueue(refuse=1)  # the first follow-up fails
+    store = await drain_backlog(settings(pollers=1, receives_per_batch=3), registry, q, 25)
+    assert store.sizes[0] == 10  # the first receive's ten, processed without the rest
+    assert sorted(calls) == list(range(25))
+
+
+async def test_follow_ups_only_with_room_in_the_memory_budget(registry: Registry,
+                                                              calls: list[int]) -> None:
+    q = WaitsQueue()
+    h = Harness(settings(pollers=1, receives_per_batch=3), registry, q, ClaimSizes())
+    budget = h.worker.budget
+    real_try_take = budget.try_take
+
+    def no_room_right_after_a_receive(n: int, owner: object, urgent: bool = False) -> bool:
+        # Right after a receive the only request for room is a follow-up's: refused.
+        if q.just_received and not urgent:
+            q.just_received = False
+            return False
+        return real_try_take(n, owner, urgent)
+
+    budget.try_take = no_room_right_after_a_receive  # type: ignore[method-assign]
+    store = await drain_backlog(h.worker.s, registry, q, 12, harness=h)
+    assert store.sizes == [10, 2]  # no follow-up without room; nothing lost
+    assert sorted(calls) == list(range(12))
