@@ -59,6 +59,9 @@ class Worker:
     ) -> None:
         self.s = settings
         self.budget, self.receive_reserve = _budget(settings, max_message_bytes, payloads)
+        # FIFO: one receive per batch (order within a group is enforced per batch).
+        self.follow_ups = FollowUps(queue, self.budget, self.receive_reserve, visibility_timeout,
+                                    1 if settings.is_fifo else settings.receives_per_batch)
         self.queue = queue
         self.store = store
         self.registry = registry
@@ -70,8 +73,6 @@ class Worker:
         self._force = asyncio.Event()
         self._stop_requested_at = 0.0
         self._slots = asyncio.Semaphore(settings.inflight_limit)
-        # FIFO: one receive per batch (order within a group is enforced per batch).
-        self.receives_per_batch = 1 if settings.is_fifo else settings.receives_per_batch
         self._pollers: list[asyncio.Task[None]] = []
         self._batches: set[asyncio.Task[None]] = set()
         self._background: list[asyncio.Task[None]] = []
@@ -253,44 +254,12 @@ class Worker:
             self.maintenance.sqs_ok = True
             backoff.reset()
             owner = object()
-            self._keep(batch, poll, owner)
-            if len(batch) == 10 and self.receives_per_batch > 1:
-                batch = await self._gather(batch, owner)
+            keep_bytes(self.budget, batch, poll, owner)
+            if len(batch) == 10 and self.follow_ups.receives > 1:
+                batch = await self.follow_ups.gather(
+                    batch, owner, lambda: not self.stopping and self.health.is_up)
             if not await self._dispatch(batch, owner):
                 break
-
-    def _keep(self, batch: list[Received], poll: object, owner: object) -> None:
-        """The batch keeps the bytes its bodies take; the rest of the poll's room goes back."""
-        size, room = sum(len(m.body) for m in batch), self.budget.holds(poll)
-        self.budget.move(size, poll, owner)
-        self.budget.give_all(poll)
-        self.budget.charge(size - room, owner)
-
-    async def _gather(self, batch: list[Received], owner: object) -> list[Received]:
-        """A backlog: while the last receive came back full, up to INGEST_RECEIVES_PER_BATCH
-        receives in all join one batch, so that one claim and one completing transaction
-        cover them (the database's round trips per message fall; SQS calls stay 10 messages
-        each). Follow-ups do not wait (WaitTimeSeconds=0: an empty answer ends the batch), do
-        not wait for room in the memory budget either, and never run on a FIFO queue."""
-        batch = list(batch)
-        last = len(batch)
-        for _ in range(self.receives_per_batch - 1):
-            if last < 10 or self.stopping or not self.health.is_up:
-                break
-            poll = object()
-            if not self.budget.try_take(self.receive_reserve, poll):
-                break
-            try:
-                more = await self.queue.receive(10, 0, self.visibility_timeout)
-            except TransientError as exc:
-                self.budget.give_all(poll)
-                metrics.sqs_errors.labels("receive").inc()
-                log.warning("receive_failed", error=str(exc), follow_up=True)
-                break
-            self._keep(more, poll, owner)
-            batch.extend(more)
-            last = len(more)
-        return batch
 
     async def _dispatch(self, batch: list[Received], owner: object | None = None) -> bool:
         """Start a batch task for what a poll brought (it owns the slot, and ``owner``'s
@@ -327,6 +296,53 @@ class Worker:
             # A bug outside the batch's own guard (BatchProcessor.run's set-up or clean-up):
             # never a silent "exception was never retrieved" — the daemon stops, exit 1.
             self._task_exited(task)
+
+
+def keep_bytes(budget: MemoryBudget, batch: list[Received], poll: object, owner: object) -> None:
+    """The batch keeps the bytes its bodies take; the rest of the poll's room goes back."""
+    size, room = sum(len(m.body) for m in batch), budget.holds(poll)
+    budget.move(size, poll, owner)
+    budget.give_all(poll)
+    budget.charge(size - room, owner)
+
+
+class FollowUps:
+    """A backlog: while the last receive came back full, up to INGEST_RECEIVES_PER_BATCH
+    receives in all join one batch, so that one claim and one completing transaction cover
+    them (the database's round trips per message fall; SQS calls stay 10 messages each).
+    Follow-ups do not wait (WaitTimeSeconds=0: an answer of fewer than 10 ends the batch),
+    do not wait for room in the memory budget either, and a failed one ends the batch with
+    what it has."""
+
+    def __init__(self, queue: QueueSeam, budget: MemoryBudget, reserve: int,
+                 visibility_timeout: int, receives: int) -> None:
+        self.queue = queue
+        self.budget = budget
+        self.reserve = reserve
+        self.visibility_timeout = visibility_timeout
+        self.receives = receives
+
+    async def gather(self, batch: list[Received], owner: object,
+                     go_on: Callable[[], bool]) -> list[Received]:
+        batch = list(batch)
+        last = len(batch)
+        for _ in range(self.receives - 1):
+            if last < 10 or not go_on():
+                break
+            poll = object()
+            if not self.budget.try_take(self.reserve, poll):
+                break
+            try:
+                more = await self.queue.receive(10, 0, self.visibility_timeout)
+            except TransientError as exc:
+                self.budget.give_all(poll)
+                metrics.sqs_errors.labels("receive").inc()
+                log.warning("receive_failed", error=str(exc), follow_up=True)
+                break
+            keep_bytes(self.budget, more, poll, owner)
+            batch.extend(more)
+            last = len(more)
+        return batch
 
 
 def _budget(settings: Settings, max_message_bytes: int,
