@@ -101,7 +101,8 @@ class Settings(BaseSettings):
         max_receive_count: handler attempts before a message is dead-lettered; lowered to
             the queue's RedrivePolicy maxReceiveCount when that is smaller (service.redrive).
         pollers: concurrent long-poll loops.
-        max_inflight_batches: received batches being processed at once (bounds memory).
+        max_inflight_batches: received batches being processed at once (0 = 2 x pollers:
+            with INGEST_RECEIVES_PER_BATCH each batch carries up to 30 messages).
         receives_per_batch: with a backlog, up to this many full receives (10 messages
             each) make one batch: one claim and one completing transaction for all of
             them (1 = one receive per batch; FIFO queues always 1).
@@ -269,7 +270,7 @@ class Settings(BaseSettings):
 
     @property
     def inflight_limit(self) -> int:
-        return self.max_inflight_batches or self.pollers * 4
+        return self.max_inflight_batches or self.pollers * 2
 
     @property
     def handler_modules(self) -> list[str]:

@@ -51,7 +51,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (s.aws_region, s.http_port, s.log_format, s.wait_time_seconds) == (
         "us-east-1", 9102, "json", 20)
     assert not s.is_fifo
-    assert s.inflight_limit == s.pollers * 4
+    assert s.inflight_limit == s.pollers * 2
 
 
 def test_console_format_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:
