@@ -108,14 +108,13 @@ def _partitioned(
     spark: SparkSession,
     db: Database,
     subquery: str,
-    bounds_sql: str,
+    bounds: tuple[int | None, int | None],
     partitions: int,
     schema: str,
 ) -> DataFrame:
-    """Read ``subquery`` split on ``id`` into ``partitions`` ranges from a min/max query."""
-    bounds = _read_one(spark, db, bounds_sql)
-    lo, hi = bounds[0], bounds[1]
-    if lo is None:  # nothing in range: an empty frame of the right shape
+    """Read ``subquery`` split on ``id`` into ``partitions`` ranges between ``bounds``."""
+    lo, hi = bounds
+    if lo is None or hi is None:  # nothing in range: an empty frame of the right shape
         return spark.createDataFrame([], schema)
     return spark.read.jdbc(
         db.jdbc_url,
@@ -128,37 +127,77 @@ def _partitioned(
     )
 
 
+@dataclass(frozen=True)
+class Extent:
+    """What the reads of one database need to know first, from one statement: the rows
+    received in the window (the summary's count) and the ``id`` bounds that split the
+    partitioned reads.
+
+    Attributes:
+        window_count: ``modifications`` received in the window.
+        modifications: min/max ``id`` of the rows received in the read range (the window
+            plus the skew margin); ``(None, None)`` when there are none.
+        entity_modifications: min/max ``id`` over ``modifications`` and the checkpoints'
+            ``modification_id`` (primary-key indexes; checkpoints keep their older ids).
+    """
+
+    window_count: int
+    modifications: tuple[int | None, int | None]
+    entity_modifications: tuple[int | None, int | None]
+
+
+def _in_range(start: datetime, end: datetime) -> str:
+    return f"received_at >= {_ts(start)} AND received_at < {_ts(end)}"
+
+
+def read_extent(
+    spark: SparkSession, db: Database, window: Window, start: datetime, end: datetime
+) -> Extent:
+    """The window's count and both partitioned reads' bounds in one query (one JDBC schema
+    lookup and one Spark job instead of three of each). ``[start, end)`` is the range
+    :func:`read_modifications` reads; the scan covers it and the window alike."""
+    scan = _in_range(min(start, window.start), max(end, window.end))
+    read = _in_range(start, end)
+    sql = (
+        "SELECT w.n, w.lo, w.hi, least(m.lo, c.lo) AS e_lo, greatest(m.hi, c.hi) AS e_hi FROM"
+        f" (SELECT count(*) FILTER (WHERE {_in_range(window.start, window.end)}) AS n,"
+        f"  min(id) FILTER (WHERE {read}) AS lo, max(id) FILTER (WHERE {read}) AS hi"
+        f"  FROM modifications WHERE {scan}) w,"
+        " (SELECT min(id) AS lo, max(id) AS hi FROM modifications) m,"
+        " (SELECT min(modification_id) AS lo, max(modification_id) AS hi"
+        "  FROM entity_checkpoints) c"
+    )
+    row = _read_one(spark, db, sql)
+    return Extent(
+        window_count=int(row[0]),
+        modifications=(row[1], row[2]),
+        entity_modifications=(row[3], row[4]),
+    )
+
+
 def read_modifications(
-    spark: SparkSession, db: Database, start: datetime, end: datetime, partitions: int
+    spark: SparkSession,
+    db: Database,
+    start: datetime,
+    end: datetime,
+    partitions: int,
+    bounds: tuple[int | None, int | None],
 ) -> DataFrame:
-    """``modifications`` received in ``[start, end)``, columns of MODIFICATIONS_SCHEMA."""
-    where = f"received_at >= {_ts(start)} AND received_at < {_ts(end)}"
+    """``modifications`` received in ``[start, end)``, columns of MODIFICATIONS_SCHEMA;
+    ``bounds`` from :func:`read_extent` over the same range."""
     sub = (
         "SELECT id, request_id, request_type, status, payload_sha256, owner, received_at,"
-        f" completed_at FROM modifications WHERE {where}"
+        f" completed_at FROM modifications WHERE {_in_range(start, end)}"
     )
-    return _partitioned(
-        spark,
-        db,
-        sub,
-        f"SELECT min(id) AS lo, max(id) AS hi FROM modifications WHERE {where}",
-        partitions,
-        MODIFICATIONS_SCHEMA,
-    )
+    return _partitioned(spark, db, sub, bounds, partitions, MODIFICATIONS_SCHEMA)
 
 
-def count_modifications(spark: SparkSession, db: Database, window: Window) -> int:
-    """Rows received in the window (index range count; for the summary)."""
-    sql = (
-        "SELECT count(*) AS n FROM modifications WHERE "
-        f"received_at >= {_ts(window.start)} AND received_at < {_ts(window.end)}"
-    )
-    return int(_read_one(spark, db, sql)[0])
-
-
-def read_entity_modifications(spark: SparkSession, db: Database, partitions: int) -> DataFrame:
+def read_entity_modifications(
+    spark: SparkSession, db: Database, partitions: int, bounds: tuple[int | None, int | None]
+) -> DataFrame:
     """Every ``COMPLETED`` entity modification (all history: the state depends on all of it),
-    plus, per entity, the checkpoint the pruner left for the ones it deleted.
+    plus, per entity, the checkpoint the pruner left for the ones it deleted; ``bounds``
+    from :func:`read_extent`.
 
     ``data`` travels as an md5 of its jsonb text: jsonb prints canonically (sorted keys, no
     whitespace), so equal documents hash equal, and the shuffle stays small.
@@ -179,18 +218,7 @@ def read_entity_modifications(spark: SparkSession, db: Database, partitions: int
         " SELECT modification_id, request_id, request_type, entity_id, version, data_md5,"
         " completed_at FROM entity_checkpoints"
     )
-    # Bounds from the primary-key indexes; checkpoints keep their (older) original ids.
-    return _partitioned(
-        spark,
-        db,
-        sub,
-        "SELECT least(m.lo, c.lo) AS lo, greatest(m.hi, c.hi) AS hi FROM"
-        " (SELECT min(id) AS lo, max(id) AS hi FROM modifications) m,"
-        " (SELECT min(modification_id) AS lo, max(modification_id) AS hi"
-        "  FROM entity_checkpoints) c",
-        partitions,
-        ENTITY_MODIFICATIONS_SCHEMA,
-    )
+    return _partitioned(spark, db, sub, bounds, partitions, ENTITY_MODIFICATIONS_SCHEMA)
 
 
 def read_entities(spark: SparkSession, db: Database, partitions: int) -> DataFrame:

@@ -95,17 +95,32 @@ def window_for(run_date: date, lookback: timedelta) -> Window:
     return Window(start=start - lookback, end=start + timedelta(days=1))
 
 
-def build_discrepancies(spark: SparkSession, opts: JobOptions, as_of: datetime) -> DataFrame:
-    """Every check over every database, as one lazy DataFrame."""
+def read_extents(spark: SparkSession, opts: JobOptions) -> dict[str, io.Extent]:
+    """Per database, the window's count and the reads' bounds (one query each)."""
+    lo, hi = io.window_range(opts.window, opts.skew_margin)
+    return {db.label: io.read_extent(spark, db, opts.window, lo, hi) for db in opts.databases}
+
+
+def build_discrepancies(
+    spark: SparkSession,
+    opts: JobOptions,
+    as_of: datetime,
+    extents: dict[str, io.Extent] | None = None,
+) -> DataFrame:
+    """Every check over every database, as one lazy DataFrame (``extents`` from
+    :func:`read_extents`, read here if not given)."""
     from pyspark import StorageLevel
 
     window = opts.window
     cutoff = as_of - opts.stuck_after
     lo, hi = io.window_range(window, opts.skew_margin)
+    if extents is None:
+        extents = read_extents(spark, opts)
     frames: list[DataFrame] = []
     mods: dict[str, DataFrame] = {}
     for db in opts.databases:
-        m = io.read_modifications(spark, db, lo, hi, opts.partitions)
+        extent = extents[db.label]
+        m = io.read_modifications(spark, db, lo, hi, opts.partitions, extent.modifications)
         if db is opts.primary and len(opts.peers) > 1:
             # Read once for the comparisons with every peer. With one peer the frame is
             # used by two checks only: the stuck check's filters go to PostgreSQL (a scan
@@ -118,7 +133,9 @@ def build_discrepancies(spark: SparkSession, opts: JobOptions, as_of: datetime) 
         frames.append(
             transforms.entity_drift(
                 io.read_entities(spark, db, opts.partitions),
-                io.read_entity_modifications(spark, db, opts.partitions),
+                io.read_entity_modifications(
+                    spark, db, opts.partitions, extent.entity_modifications
+                ),
                 inflight_cutoff=cutoff,
                 source=db.label,
             )
@@ -140,20 +157,27 @@ def run(spark: SparkSession, opts: JobOptions, as_of: datetime) -> JobResult:
     """Run every check; ``as_of`` is the primary database's clock at the start."""
     t0 = time.monotonic()
     window = opts.window
-    modifications = {db.label: io.count_modifications(spark, db, window) for db in opts.databases}
-    disc = build_discrepancies(spark, opts, as_of).persist()
+    extents = read_extents(spark, opts)
+    modifications = {label: e.window_count for label, e in extents.items()}
+    disc = build_discrepancies(spark, opts, as_of, extents).persist()
     try:
-        counts = {kind: 0 for kind in KINDS}
-        for row in transforms.count_by_kind(disc).collect():
-            counts[row["kind"]] = int(row["n"])
-        total = sum(counts.values())
+        # One pass over the plan: the first max_discrepancies + 1 rows in order. When they
+        # are all there is, they are the counts too; only a truncated result needs its
+        # counts from the (cached) discrepancies.
         rows = (
             disc.orderBy("kind", "source", "request_id", "entity_id")
-            .limit(opts.max_discrepancies)
+            .limit(opts.max_discrepancies + 1)
             .collect()
-            if total
-            else []
         )
+        counts = {kind: 0 for kind in KINDS}
+        if len(rows) > opts.max_discrepancies:
+            rows = rows[: opts.max_discrepancies]
+            for row in transforms.count_by_kind(disc).collect():
+                counts[row["kind"]] = int(row["n"])
+        else:
+            for row in rows:
+                counts[row["kind"]] += 1
+        total = sum(counts.values())
         if opts.output:
             disc.write.mode("overwrite").json(f"{opts.output.rstrip('/')}/run_date={opts.run_date}")
     finally:

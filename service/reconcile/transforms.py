@@ -157,7 +157,10 @@ def _checks(df: DataFrame, checks: list[_Check]) -> DataFrame:
     candidates = [
         F.when(c.when, F.struct(*_discrepancy_columns(c))) for c in checks
     ]
-    return df.select(F.inline(F.array_compact(F.array(*candidates))))
+    # Only the rows failing some check build the array: the filter is evaluated on every
+    # row of the join, the array of structs (allocated per row) on a handful.
+    failing = reduce(lambda a, b: a | b, [c.when for c in checks])
+    return df.where(failing).select(F.inline(F.array_compact(F.array(*candidates))))
 
 
 def _discrepancy_columns(c: _Check) -> list[Column]:

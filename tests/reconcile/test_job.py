@@ -308,3 +308,38 @@ async def test_tampered_databases_report_exactly_the_planted_discrepancies(
     assert len(runs) == 1 and runs[0]["run_id"] != first_run
     assert {d[0] for d in disc} == {runs[0]["run_id"]}
     assert len(disc) == 11
+
+
+async def test_max_discrepancies_stores_the_first_in_order_and_counts_them_all(
+    spark,
+    database_url: str,
+    peer_url: str,
+    capfd,
+) -> None:
+    await seed(database_url)
+    await seed(peer_url)
+    await tamper(database_url, peer_url)
+    # In (kind, source, request_id, entity_id) order the four entity_drift rows come first.
+    first_four = [
+        ("entity_drift", "u-05-1", "ent-05", "peer1"),
+        ("entity_drift", "ghost-req", "ghost", "primary"),
+        ("entity_drift", "u-01-2", "ent-01", "primary"),
+        ("entity_drift", "u-02-1", "ent-02", "primary"),
+    ]
+
+    # Fewer than found (4; 10, one short): truncated, the counts still cover all 11;
+    # exactly as many (11): not truncated.
+    for limit, stored_rows, truncated in ((4, 4, True), (10, 10, True), (11, 11, False)):
+        assert await reconcile(database_url, peer_url, "--max-discrepancies", str(limit)) == 1
+        out, _ = capfd.readouterr()
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["counts"] == EXPECTED_COUNTS, limit
+        assert (summary["total"], summary["stored"], summary["truncated"]) == (
+            11,
+            stored_rows,
+            truncated,
+        ), limit
+        _, disc = await stored(database_url)
+        assert len(disc) == stored_rows, limit
+        if limit == 4:
+            assert sorted((k, r, e, s) for _, k, r, e, s, _ in disc) == sorted(first_four)
