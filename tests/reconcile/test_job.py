@@ -267,16 +267,18 @@ async def test_clean_databases_exit_zero(
     assert b'sqs_ingest_reconcile_runs_total{outcome="clean"} 1.0' in body
 
 
-async def test_tampered_databases_report_exactly_the_planted_discrepancies(
-    spark,
-    database_url: str,
-    peer_url: str,
-    capfd,
-) -> None:
+@pytest.fixture
+async def tampered(database_url: str, peer_url: str) -> None:
+    """Both databases seeded alike, then the planted discrepancies (EXPECTED_TAMPERED)."""
     await seed(database_url)
     await seed(peer_url)
     await tamper(database_url, peer_url)
 
+
+@pytest.mark.usefixtures("tampered")
+async def test_tampered_databases_report_exactly_the_planted_discrepancies(
+    spark, database_url: str, peer_url: str, capfd
+) -> None:
     assert await reconcile(database_url, peer_url) == 1
 
     out, err = capfd.readouterr()
@@ -310,15 +312,10 @@ async def test_tampered_databases_report_exactly_the_planted_discrepancies(
     assert len(disc) == 11
 
 
+@pytest.mark.usefixtures("tampered")
 async def test_max_discrepancies_stores_the_first_in_order_and_counts_them_all(
-    spark,
-    database_url: str,
-    peer_url: str,
-    capfd,
+    spark, database_url: str, peer_url: str, capfd
 ) -> None:
-    await seed(database_url)
-    await seed(peer_url)
-    await tamper(database_url, peer_url)
     # In (kind, source, request_id, entity_id) order the four entity_drift rows come first.
     first_four = [
         ("entity_drift", "u-05-1", "ent-05", "peer1"),
