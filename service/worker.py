@@ -255,9 +255,8 @@ class Worker:
             backoff.reset()
             owner = object()
             keep_bytes(self.budget, batch, poll, owner)
-            if len(batch) == 10 and self.follow_ups.receives > 1:
-                batch = await self.follow_ups.gather(
-                    batch, owner, lambda: not self.stopping and self.health.is_up)
+            await self.follow_ups.gather(batch, owner,
+                                         lambda: not self.stopping and self.health.is_up)
             if not await self._dispatch(batch, owner):
                 break
 
@@ -323,8 +322,8 @@ class FollowUps:
         self.receives = receives
 
     async def gather(self, batch: list[Received], owner: object,
-                     go_on: Callable[[], bool]) -> list[Received]:
-        batch = list(batch)
+                     go_on: Callable[[], bool]) -> None:
+        """Extend ``batch`` (the first receive's, 10 or fewer) in place."""
         last = len(batch)
         for _ in range(self.receives - 1):
             if last < 10 or not go_on():
@@ -342,7 +341,6 @@ class FollowUps:
             keep_bytes(self.budget, more, poll, owner)
             batch.extend(more)
             last = len(more)
-        return batch
 
 
 def _budget(settings: Settings, max_message_bytes: int,

@@ -105,17 +105,15 @@ def build_discrepancies(
     spark: SparkSession,
     opts: JobOptions,
     as_of: datetime,
-    extents: dict[str, io.Extent] | None = None,
+    extents: dict[str, io.Extent],
 ) -> DataFrame:
     """Every check over every database, as one lazy DataFrame (``extents`` from
-    :func:`read_extents`, read here if not given)."""
+    :func:`read_extents`)."""
     from pyspark import StorageLevel
 
     window = opts.window
     cutoff = as_of - opts.stuck_after
     lo, hi = io.window_range(window, opts.skew_margin)
-    if extents is None:
-        extents = read_extents(spark, opts)
     frames: list[DataFrame] = []
     mods: dict[str, DataFrame] = {}
     for db in opts.databases:
