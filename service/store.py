@@ -305,9 +305,17 @@ async def claim(
     ordered = sorted(messages, key=lambda m: m.request_id)
     rows = await conn.fetch(
         Q["claim"],
-        orjson.dumps([_claim_row(m) for m in ordered]).decode(),
+        [m.request_id for m in ordered],
+        [m.type for m in ordered],
+        [orjson.dumps(m.payload_json).decode() for m in ordered],
+        [m.payload_sha256 for m in ordered],
+        [m.raw.message_id for m in ordered],
         [m.sent_at for m in ordered],
         owner,
+        [m.attributes_json for m in ordered],
+        [m.pointer.uri if m.pointer is not None else None for m in ordered],
+        [m.raw.group_id for m in ordered],
+        [_sequence(m) for m in ordered],
     )
     return {
         r["request_id"]: ClaimResult(
@@ -315,18 +323,6 @@ async def claim(
             r["payload_sha256"], r["owner"], r["failures"], r["dead_lettered"], r["held"],
         )
         for r in rows
-    }
-
-
-def _claim_row(m: Message) -> dict[str, Any]:
-    """One element of the claim's JSON array (keys: the statement's columns)."""
-    return {
-        "request_id": m.request_id, "request_type": m.type, "payload": m.payload_json,
-        "payload_sha256": m.payload_sha256, "sqs_message_id": m.raw.message_id,
-        "message_attributes": (None if m.attributes_json is None
-                               else orjson.Fragment(m.attributes_json)),
-        "payload_pointer": m.pointer.uri if m.pointer is not None else None,
-        "group_id": m.raw.group_id, "sequence_number": _sequence(m),
     }
 
 

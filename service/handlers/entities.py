@@ -58,9 +58,9 @@ async def entity_delete(p: EntityDelete, conn: asyncpg.Connection) -> dict[str, 
 _UPSERT_MANY = """
 WITH up AS (
 INSERT INTO entities AS e (entity_id, version, deleted, data, request_id, updated_at)
-SELECT entity_id, version, deleted, data, request_id, now()
-  FROM json_to_recordset($1::text::json)  -- one JSON array: one parameter, not five arrays
-    AS t(entity_id text, version bigint, deleted boolean, data jsonb, request_id text)
+SELECT entity_id, version, deleted, data::jsonb, request_id, now()
+  FROM unnest($1::text[], $2::bigint[], $3::boolean[], $4::text[], $5::text[])
+    AS t(entity_id, version, deleted, data, request_id)
  ORDER BY entity_id  -- one lock order for every replica: no deadlock between batches
 ON CONFLICT (entity_id) DO UPDATE
    SET version = EXCLUDED.version, deleted = EXCLUDED.deleted, data = EXCLUDED.data,
@@ -84,10 +84,13 @@ async def entities_many(
     ids = [p.entity_id for _, p in items]
     if len(set(ids)) != len(ids):
         return None
-    rows = [
-        {"entity_id": p.entity_id, "version": p.version, "deleted": isinstance(p, EntityDelete),
-         "data": p.data if isinstance(p, EntityUpsert) else None, "request_id": rid}
-        for rid, p in items
-    ]
-    applied = set(await conn.fetchval(_UPSERT_MANY, orjson.dumps(rows).decode()))
+    applied = set(await conn.fetchval(
+        _UPSERT_MANY,
+        ids,
+        [p.version for _, p in items],
+        [isinstance(p, EntityDelete) for _, p in items],
+        [orjson.dumps(p.data).decode() if isinstance(p, EntityUpsert) else None
+         for _, p in items],
+        [rid for rid, _ in items],
+    ))
     return [{"applied": p.entity_id in applied} for _, p in items]

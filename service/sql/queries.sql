@@ -3,23 +3,16 @@
 -- name: claim
 -- One statement per batch. Input is sorted by request_id so two workers claiming
 -- overlapping batches take the unique-index locks in the same order (no deadlock).
--- $1: the batch as one JSON array of objects (one parameter instead of ten arrays: the
--- driver encodes one string, not 300 array elements), keys as the columns below;
--- `payload` and `message_attributes` are JSON values (the latter null when none),
--- `sequence_number` numeric text (128 bits: beyond bigint); $2: sent_at per element, in
--- the same order (a timestamptz array: the driver's own datetime encoding); $3: the owner.
+-- $8: message attributes (jsonb text or NULL), $9: the S3 pointer the payload came from,
+-- $10/$11: FIFO MessageGroupId and SequenceNumber (NULL on a standard queue).
 -- FIFO order (SPEC §6): a message is held — not inserted, `held` — while an earlier message
 -- of its group (lower sequence number, another request) is IN_PROGRESS under anyone, dead
 -- or alive. Earlier messages of the same batch are the caller's (plan.classify).
 WITH input AS (
-    SELECT * FROM ROWS FROM (
-        json_to_recordset($1::text::json)
-            AS (request_id text, request_type text, payload jsonb, payload_sha256 text,
-                sqs_message_id text, message_attributes jsonb, payload_pointer text,
-                group_id text, sequence_number numeric),
-        unnest($2::timestamptz[]))
-        AS t(request_id, request_type, payload, payload_sha256, sqs_message_id,
-             message_attributes, payload_pointer, group_id, sequence_number, sent_at)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[],
+                         $8::text[], $9::text[], $10::text[], $11::numeric[])
+        AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at,
+             message_attributes, payload_pointer, group_id, sequence_number)
 ), held AS (
     SELECT i.request_id FROM input i
      WHERE i.group_id IS NOT NULL AND i.sequence_number IS NOT NULL
@@ -31,8 +24,8 @@ WITH input AS (
     INSERT INTO modifications
         (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at,
          message_attributes, payload_pointer, group_id, sequence_number)
-    SELECT request_id, request_type, payload, payload_sha256, 'IN_PROGRESS',
-           sqs_message_id, $3, sent_at, message_attributes, payload_pointer, group_id,
+    SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
+           sqs_message_id, $7, sent_at, message_attributes::jsonb, payload_pointer, group_id,
            sequence_number
       FROM input
      -- This very SQS message was already dead-lettered (its ack failed or was cut
