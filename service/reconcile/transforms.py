@@ -295,10 +295,13 @@ def _replay(entity_mods: DataFrame) -> DataFrame:
         F.col("completed_at").asc_nulls_last(),
         F.col("id").asc(),
     )
+    # The whole entity as the max's frame, over the same partitioning and order as the
+    # rank: one Window operator computes both (over ``entity`` alone it took a second).
+    whole = order.rowsBetween(W.unboundedPreceding, W.unboundedFollowing)
     winners = (
         entity_mods.where(F.col("entity_id").isNotNull())
         .withColumn("_rank", F.row_number().over(order))
-        .withColumn("_last_completed_at", F.max("completed_at").over(entity))
+        .withColumn("_last_completed_at", F.max("completed_at").over(whole))
         .where(F.col("_rank") == 1)
     )
     is_delete = F.col("request_type") == DELETE
