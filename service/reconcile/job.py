@@ -1,7 +1,9 @@
 """Wiring: extract (io) → check (transforms) → collect the small result.
 
-The only things brought back to the driver are per-kind counts and at most
-``max_discrepancies`` discrepancy rows; the tables themselves stay distributed.
+The only things brought back to the driver are the request buckets whose digests differ
+between the primary and a peer (at most ``io.DIGEST_BUCKETS`` numbers per
+peer), per-kind counts and at most ``max_discrepancies`` discrepancy rows; the tables
+themselves stay distributed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
+from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 from service.reconcile import KINDS, io, transforms
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 Discrepancy = tuple[str, str | None, str | None, str | None, str | None]
+#: Past this many differing buckets the comparison reads the whole window row by row.
+MAX_COMPARED_BUCKETS = io.DIGEST_BUCKETS // 8
 
 
 @dataclass(frozen=True)
@@ -101,30 +106,50 @@ def read_extents(spark: SparkSession, opts: JobOptions) -> dict[str, io.Extent]:
     return {db.label: io.read_extent(spark, db, opts.window, lo, hi) for db in opts.databases}
 
 
+def compared_buckets(
+    spark: SparkSession, opts: JobOptions
+) -> dict[str, frozenset[int] | None]:
+    """Per peer, the buckets of ``request_id`` (:func:`io.read_digests`) whose requests
+    the comparison with the primary reads row by row; ``None``: all of them, when more
+    than :data:`MAX_COMPARED_BUCKETS` differ (the filter would save little)."""
+    from pyspark.sql import functions as F
+
+    if not opts.peers:
+        return {}
+    lo, hi = io.window_range(opts.window, opts.skew_margin)
+    digests = {db.label: io.read_digests(spark, db, lo, hi) for db in opts.databases}
+    frames = [
+        transforms.differing_buckets(digests[opts.primary.label], digests[peer.label])
+        .withColumn("peer", F.lit(peer.label))
+        for peer in opts.peers
+    ]
+    found: dict[str, set[int]] = {peer.label: set() for peer in opts.peers}
+    for row in reduce(lambda a, b: a.unionByName(b), frames).collect():
+        found[row["peer"]].add(int(row["bucket"]))
+    return {
+        label: frozenset(b) if len(b) <= MAX_COMPARED_BUCKETS else None
+        for label, b in found.items()
+    }
+
+
 def build_discrepancies(
     spark: SparkSession,
     opts: JobOptions,
     as_of: datetime,
     extents: dict[str, io.Extent],
+    buckets: dict[str, frozenset[int] | None],
 ) -> DataFrame:
     """Every check over every database, as one lazy DataFrame (``extents`` from
-    :func:`read_extents`)."""
-    from pyspark import StorageLevel
-
+    :func:`read_extents`, ``buckets`` from :func:`compared_buckets`)."""
     window = opts.window
     cutoff = as_of - opts.stuck_after
     lo, hi = io.window_range(window, opts.skew_margin)
     frames: list[DataFrame] = []
-    mods: dict[str, DataFrame] = {}
     for db in opts.databases:
         extent = extents[db.label]
-        m = io.read_modifications(spark, db, lo, hi, opts.partitions, extent.modifications)
-        if db is opts.primary and len(opts.peers) > 1:
-            # Read once for the comparisons with every peer. With one peer the frame is
-            # used by two checks only: the stuck check's filters go to PostgreSQL (a scan
-            # that returns a handful of rows), cheaper than caching the window in Spark.
-            m = m.persist(StorageLevel.MEMORY_AND_DISK)
-        mods[db.label] = m
+        # One partition: the check's filters go to PostgreSQL, which finds the few
+        # IN_PROGRESS rows through its partial index.
+        m = io.read_modifications(spark, db, lo, hi, 1, extent.modifications)
         frames.append(
             transforms.stuck_in_progress(m, window=window, inflight_cutoff=cutoff, source=db.label)
         )
@@ -139,13 +164,18 @@ def build_discrepancies(
             )
         )
     for peer in opts.peers:
+        only = buckets[peer.label]
+        # A few buckets: one scan each side returns their rows.
+        parts = opts.partitions if only is None else 1
+        sides = [
+            io.read_modifications(
+                spark, db, lo, hi, parts, extents[db.label].modifications, only
+            )
+            for db in (opts.primary, peer)
+        ]
         frames.append(
             transforms.compare_databases(
-                mods[opts.primary.label],
-                mods[peer.label],
-                window=window,
-                inflight_cutoff=cutoff,
-                peer_label=peer.label,
+                *sides, window=window, inflight_cutoff=cutoff, peer_label=peer.label
             )
         )
     return transforms.union_discrepancies(frames)
@@ -157,7 +187,8 @@ def run(spark: SparkSession, opts: JobOptions, as_of: datetime) -> JobResult:
     window = opts.window
     extents = read_extents(spark, opts)
     modifications = {label: e.window_count for label, e in extents.items()}
-    disc = build_discrepancies(spark, opts, as_of, extents).persist()
+    buckets = compared_buckets(spark, opts)
+    disc = build_discrepancies(spark, opts, as_of, extents, buckets).persist()
     try:
         # One pass over the plan: the first max_discrepancies + 1 rows in order. When they
         # are all there is, they are the counts too; only a truncated result needs its

@@ -20,7 +20,9 @@ import asyncpg
 import pytest
 
 from service.messages import payload_hash
+from service.reconcile import io, job
 from service.reconcile.cli import main
+from service.reconcile.job import JobOptions, compared_buckets
 
 pytestmark = pytest.mark.spark
 
@@ -310,6 +312,49 @@ async def test_tampered_databases_report_exactly_the_planted_discrepancies(
     assert len(runs) == 1 and runs[0]["run_id"] != first_run
     assert {d[0] for d in disc} == {runs[0]["run_id"]}
     assert len(disc) == 11
+
+
+async def buckets_of(dsn: str, request_ids: list[str]) -> frozenset[int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT hashtext(r) & ($2::int - 1) AS b FROM unnest($1::text[]) AS r",
+            request_ids,
+            io.DIGEST_BUCKETS,
+        )
+    finally:
+        await conn.close()
+    return frozenset(r["b"] for r in rows)
+
+
+@pytest.mark.usefixtures("tampered")
+async def test_only_the_buckets_of_differing_requests_are_compared_row_by_row(
+    spark, database_url: str, peer_url: str
+) -> None:
+    opts = JobOptions(
+        run_date=date(2024, 5, 1),
+        primary=io.Database("primary", database_url),
+        peers=(io.Database("peer1", peer_url),),
+    )
+    # req-stuck is IN_PROGRESS on both sides alike: no bucket of its own.
+    tampered = ["req-status", "inv-3", "only-peer", "inv-4"]
+    assert await asyncio.to_thread(compared_buckets, spark, opts) == {
+        "peer1": await buckets_of(database_url, tampered)
+    }
+
+
+@pytest.mark.usefixtures("tampered")
+async def test_past_max_compared_buckets_the_whole_window_is_compared(
+    spark, database_url: str, peer_url: str, capfd, monkeypatch
+) -> None:
+    monkeypatch.setattr(job, "MAX_COMPARED_BUCKETS", 3)  # 4 differ
+    assert await reconcile(database_url, peer_url) == 1
+    out, _ = capfd.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["counts"] == EXPECTED_COUNTS
+    _, disc = await stored(database_url)
+    assert sorted((k, r or "", e or "", s) for _, k, r, e, s, _ in disc) == sorted(
+        (k, r or "", e or "", s) for k, r, e, s in EXPECTED_TAMPERED
+    )
 
 
 @pytest.mark.usefixtures("tampered")

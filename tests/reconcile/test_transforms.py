@@ -154,6 +154,17 @@ def test_compare_identical_databases_is_clean(spark) -> None:
     assert got.count() == 0
 
 
+def test_differing_buckets(spark) -> None:
+    primary = [(1, 10, "100"), (2, 10, "200"), (3, 10, "300"), (4, 1, "7")]
+    peer = [(1, 10, "100"), (2, 9, "200"), (3, 10, "301"), (5, 1, "7")]
+    got = T.differing_buckets(
+        spark.createDataFrame(primary, T.DIGESTS_SCHEMA),
+        spark.createDataFrame(peer, T.DIGESTS_SCHEMA),
+    )
+    # 1 alike; 2 a count apart, 3 a digest apart; 4 and 5 on one side only.
+    assert sorted(r["bucket"] for r in got.collect()) == [2, 3, 4, 5]
+
+
 def emod(id_, rid, rtype, entity, version, md5, completed):
     return (id_, rid, rtype, entity, version, md5, completed)
 
