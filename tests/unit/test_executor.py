@@ -4,14 +4,17 @@ delay, nothing left unresolved."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
+import weakref
 from typing import Any
 
 import pytest
 
 from service.errors import AckFailed, DatabaseUnavailable
 from service.executor import InFlight, PlanExecutor
-from service.messages import Message
+from service.messages import Message, Received
 from service.retry import ReceiveLimit
 from service.testing import FakeQueue, FakeStore
 
@@ -478,3 +481,29 @@ async def test_heartbeat_stops_at_the_twelve_hour_cap_counted_from_receive(
     assert flight.hidden_for == SQS_MAX_VISIBILITY - vt + 1
     assert sample(EXT) - before == 1
     assert flight.unresolved == {m0: flight.batch[0]}
+
+
+async def test_a_stopped_heartbeat_leaves_no_cycle_that_keeps_its_batch() -> None:
+    """The cancelled heartbeat task keeps its CancelledError, whose traceback holds the frame
+    that holds the flight, which held the task: each finished batch (messages, bodies,
+    claims) waited for the cyclic GC's rare full collection (BENCHMARKS, peak RSS). Stopped,
+    the flight lets go of the task, and the batch goes with its last reference."""
+    class Owner:  # what the batch holds, observable (InFlight has slots: no weakref)
+        pass
+
+    flight = InFlight([Received("m1", "rh1", "{}")], budget_owner=Owner())
+    gone = weakref.ref(flight.budget_owner)
+
+    async def beat(f: InFlight) -> None:  # like VisibilityHeartbeat._extend: holds the flight
+        await asyncio.sleep(3600)
+
+    flight.extender = asyncio.create_task(beat(flight))
+    await asyncio.sleep(0)
+    gc.disable()  # no cyclic collection: only reference counts free the batch
+    try:
+        await flight.stop_extender()
+        del flight
+        await asyncio.sleep(0)  # the loop lets go of the step that awaited the stop
+        assert gone() is None, "the stopped heartbeat still holds its batch in a cycle"
+    finally:
+        gc.enable()
