@@ -112,9 +112,7 @@ class BatchProcessor:
         finally:
             if self.budget is not None:
                 self.budget.give_all(flight.budget_owner)
-            if flight.extender is not None:
-                flight.extender.cancel()
-                flight.drop_extender()
+            flight.cancel_extender()
             for m in flight.claimed:
                 self.holding.drop(m.request_id)
             metrics.in_flight.dec(len(batch))

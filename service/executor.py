@@ -57,17 +57,20 @@ class InFlight:
 
     async def stop_extender(self) -> None:
         # Before acks and releases: a late extension must not undo a release to 0.
-        if self.extender is not None:
-            self.extender.cancel()
-            await asyncio.gather(self.extender, return_exceptions=True)
-            self.drop_extender()
+        task = self.cancel_extender()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
 
-    def drop_extender(self) -> None:
-        """Forget the (cancelled) heartbeat task. Kept, it is a reference cycle: the task's
-        CancelledError holds the traceback, whose frame of ``_extend`` holds this flight, so
-        the whole batch (messages, bodies, claims) would wait for the cyclic GC's rare
-        full collection instead of going when the batch ends (BENCHMARKS.md, peak RSS)."""
-        self.extender = None
+    def cancel_extender(self) -> asyncio.Task[None] | None:
+        """Cancel the heartbeat task and forget it (returned, to wait for). Kept, it is a
+        reference cycle: the task's CancelledError holds the traceback, whose frame of
+        ``_extend`` holds this flight, so the whole batch (messages, bodies, claims) would
+        wait for the cyclic GC's rare full collection instead of going when the batch ends
+        (BENCHMARKS.md, peak RSS)."""
+        task, self.extender = self.extender, None
+        if task is not None:
+            task.cancel()
+        return task
 
 
 class PlanExecutor:
