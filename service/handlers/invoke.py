@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import TracebackType
 from typing import Any
 
 import structlog
@@ -12,6 +13,37 @@ from service.handlers.context import request_context
 from service.handlers.registry import Registry
 from service.messages import Message
 from service.seams import Batching
+
+
+class HandlerCancelled(Exception):
+    """A handler raised ``CancelledError`` while nobody was cancelling its task (a cancelled
+    inner task of its own or of a library, re-raised): the handler's failure — counted,
+    retried, dead-lettered at the maximum like any other. Let through as a cancellation, it
+    would roll the batch back and hand all of it back at once, uncounted, for ever (a hot
+    loop that no dead-letter limit ends)."""
+
+
+class _CancelIsFailure:
+    """``with``: a ``CancelledError`` out of the block becomes ``HandlerCancelled`` unless this
+    task is really being cancelled (shutdown, a batch given up), which passes unchanged."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not isinstance(exc, asyncio.CancelledError):
+            return
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            return
+        raise HandlerCancelled(f"handler raised CancelledError, not cancelled: {exc!r}") from exc
+
+
+_cancel_is_failure = _CancelIsFailure()
 
 
 class Invoker:
@@ -29,6 +61,7 @@ class Invoker:
             request_context(m.request_id, m.attributes),
             structlog.contextvars.bound_contextvars(
                 message_id=m.raw.message_id, request_id=m.request_id),
+            _cancel_is_failure,
         ):
             async with asyncio.timeout(self.timeout):
                 return await spec.fn(m.payload, conn)
@@ -41,7 +74,7 @@ class Invoker:
     async def many(self, ms: list[Message], conn: Any) -> list[dict[str, Any] | None] | None:
         spec = self.registry.get(ms[0].type)
         assert spec is not None and spec.batch_fn is not None
-        with tracing.handlers(ms):
+        with tracing.handlers(ms), _cancel_is_failure:
             async with asyncio.timeout(self.timeout):
                 return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
 

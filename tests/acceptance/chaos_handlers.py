@@ -63,6 +63,21 @@ async def flaky(p: Flaky, conn: asyncpg.Connection) -> dict[str, int]:
     return {"attempts": attempt}
 
 
+class Cancels(BaseModel):
+    times: int
+
+
+@handler("chaos.cancels", Cancels)
+async def cancels(p: Cancels, conn: asyncpg.Connection) -> dict[str, int]:
+    """Raises CancelledError of its own (as a library's cancelled inner task would) while
+    nobody cancels the batch: the first ``times`` invocations."""
+    attempt = _record()
+    if attempt <= p.times:
+        raise asyncio.CancelledError(f"inner task cancelled ({attempt} of {p.times})")
+    await _effect(conn)
+    return {"attempts": attempt}
+
+
 LEDGER_DDL = ("CREATE TABLE chaos_ledger (id bigserial PRIMARY KEY, request_id text NOT NULL,"
               " grp text NOT NULL, seq int NOT NULL)")
 

@@ -163,3 +163,44 @@ async def test_always_failing_handler_ends_in_dead_letters(
     finally:
         await conn.close()
     assert await effects(effects_db) == []
+
+
+async def test_a_handler_raising_cancelled_error_is_its_failure_not_the_batchs(
+    sqs_client: Any, sqs_endpoint: str, make_queue: Any, effects_db: str, tmp_path: Path
+) -> None:
+    """CancelledError raised by a handler nobody cancelled (a library's inner task) is that
+    handler's failure: counted, retried, dead-lettered at the maximum — not a cancelled batch,
+    which hands every message back at once, uncounted, for ever (and takes its neighbours
+    with it)."""
+    queue_url = make_queue(visibility=30)
+    doomed = body("doomed", "chaos.cancels", times=99)
+    d = Daemon(env_for(effects_db, queue_url, sqs_endpoint, tmp_path,
+                       INGEST_MAX_RECEIVE_COUNT="3"), tmp_path).start()
+    try:
+        d.wait_ready()
+        sqs_client.send_message_batch(QueueUrl=queue_url, Entries=[
+            {"Id": "0", "MessageBody": doomed},
+            {"Id": "1", "MessageBody": body("once", "chaos.cancels", times=1)},
+            {"Id": "2", "MessageBody": body("fine", "chaos.slow", seconds=0)},
+        ])
+        wait_drained(sqs_client, queue_url, [d], timeout=60)
+        code = d.stop()
+    finally:
+        if not d.exited():
+            d.kill9()
+    assert code == 0, d.logs()
+    assert invocations(tmp_path).count("doomed") == 3
+    assert invocations(tmp_path).count("once") == 2
+    conn = await asyncpg.connect(effects_db)
+    try:
+        row = await conn.fetchrow("SELECT body, reason, error FROM dead_letters")
+        assert row["body"] == doomed
+        assert row["reason"] == "max_receives_exceeded"
+        assert "CancelledError" in row["error"] and "3 of 99" in row["error"]
+        assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 1
+        assert set(await conn.fetchval(
+            "SELECT array_agg(request_id) FROM modifications WHERE status = 'COMPLETED'")) == {
+                "once", "fine"}
+    finally:
+        await conn.close()
+    assert sorted(await effects(effects_db)) == ["fine", "once"]
