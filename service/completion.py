@@ -13,7 +13,14 @@ commits, or it rolls back and says what happens next:
   rerun as is, ``MAX_RERUNS`` times; then one by one, where a conflict is the failure of the
   message that hit it, so the loop always ends;
 * a batch call raised: rerun one message at a time to find the culprit;
-* the connection is gone: ``DatabaseUnavailable`` (an outage, not the handler's failure).
+* the connection is gone: ``DatabaseUnavailable`` (an outage, not the handler's failure);
+* a handler ended the transaction itself (COMMIT or ROLLBACK: seen at once, no round trip):
+  its failure, ``HandlerEndedTransaction``, before the next handler runs outside it;
+* the transaction was found aborted after a handler returned (it caught a database error and
+  carried on; a later statement says "current transaction is aborted"): rerun one by one with
+  a probe (``SELECT 1``) after each handler, so the one that left it aborted fails
+  (``HandlerLeftTransactionAborted``) — not the neighbour whose statement found it, and not
+  the whole batch, uncounted, again and again.
 """
 
 from __future__ import annotations
@@ -27,12 +34,25 @@ from typing import Any, Protocol
 import orjson
 
 from service.errors import DatabaseUnavailable
+from service.limits import json_holds_nul
 from service.messages import Message
 from service.seams import ApplyResult, Batching, HandlerCall
 
 #: Conflicts (deadlock, serialization, lock not available) rerun as is this many times;
 #: after that, one by one, and a conflict is the failure of the message that hit it.
 MAX_RERUNS = 3
+
+
+class HandlerEndedTransaction(Exception):
+    """A handler executed COMMIT or ROLLBACK (or END, ABORT) itself: its message fails. What it
+    committed stays committed — a handler that commits gives up exactly-once for its
+    message; one that rolls back would otherwise have its neighbours marked COMPLETED without
+    their effects."""
+
+
+class HandlerLeftTransactionAborted(Exception):
+    """A handler returned with the transaction aborted (it caught a database error and went
+    on): its message fails, like any handler error."""
 
 
 class Transaction(Protocol):
@@ -53,6 +73,10 @@ class Transaction(Protocol):
     async def clear_failures(self, request_ids: Sequence[str]) -> None:
         """Forget the failure counts of requests that completed after earlier failures."""
 
+    async def probe(self) -> None:
+        """One trivial statement: raises what ``Transactions.is_aborted`` recognises when the
+        transaction is aborted (only run after a transaction was found aborted)."""
+
 
 class Transactions(Protocol):
     """Where attempts run: one connection (or the fake's tables), and what its driver's
@@ -69,6 +93,12 @@ class Transactions(Protocol):
         """``exc``, raised in a handler, is a deadlock, a serialization failure or a lock not
         available: the transaction may succeed as is when run again."""
 
+    def is_aborted(self, exc: BaseException) -> bool:
+        """``exc`` says the transaction was already aborted when the statement ran."""
+
+    def ended(self) -> bool:
+        """The attempt's transaction is no longer open (a handler ended it): a local check."""
+
 
 async def complete(
     txns: Transactions, messages: Sequence[Message], call: HandlerCall,
@@ -81,9 +111,10 @@ async def complete(
     todo = list(messages)
     reruns = 0
     singly = fifo or batch is None
+    probe = False
     while True:
         attempt = _Attempt(txns, call, None if singly else batch, fifo,
-                           may_rerun=reruns < MAX_RERUNS)
+                           may_rerun=reruns < MAX_RERUNS, probe=probe)
         step = await attempt.run(todo)
         if isinstance(step, _Committed):
             step.into(result)
@@ -96,6 +127,8 @@ async def complete(
             # From now on one by one: a conflict in a handler is that message's failure,
             # so the loop always ends.
             singly = singly or reruns >= MAX_RERUNS
+        elif isinstance(step, _Probe):
+            singly = probe = True  # found aborted: probe after each handler from now on
         else:
             singly = True  # a batch call failed: find the failing message
 
@@ -131,7 +164,11 @@ class _OneByOne:
     """A batch call failed: roll back and rerun one message at a time."""
 
 
-_Step = _Committed | _Failed | _Rerun | _OneByOne
+class _Probe:
+    """The transaction was found aborted: rerun one message at a time, probing after each."""
+
+
+_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe
 
 
 class _Abort(Exception):
@@ -144,17 +181,18 @@ class _Abort(Exception):
 class _Attempt:
     """One run of the completing transaction over ``todo``; says what happened."""
 
-    __slots__ = ("batch", "call", "fifo", "may_rerun", "txns")
+    __slots__ = ("batch", "call", "fifo", "may_rerun", "probe", "txns")
 
     def __init__(
         self, txns: Transactions, call: HandlerCall, batch: Batching | None, fifo: bool,
-        may_rerun: bool,
+        may_rerun: bool, probe: bool = False,
     ) -> None:
         self.txns = txns
         self.call = call
         self.batch = batch
         self.fifo = fifo
         self.may_rerun = may_rerun
+        self.probe = probe
 
     async def run(self, todo: list[Message]) -> _Step:
         try:
@@ -169,13 +207,23 @@ class _Attempt:
         results = await self._handlers(txn, live)
         outputs = [results[id(m)] for m in live]
         if live:
-            if await txn.complete(live, outputs) != len(live):
+            if await self._completed(txn, live, outputs) != len(live):
                 # Cannot happen while the fence locks hold; be loud if it does.
                 raise RuntimeError("fenced completion lost rows under lock")
             retried = [m.request_id for m in live if m.failures > 0]
             if retried:
                 await txn.clear_failures(retried)
         return _Committed(live, outputs, lost, blocked)
+
+    async def _completed(
+        self, txn: Transaction, live: list[Message], outputs: list[str | None]
+    ) -> int:
+        try:
+            return await txn.complete(live, outputs)
+        except Exception as exc:
+            if self.txns.is_aborted(exc) and not self.probe:
+                raise _Abort(_Probe()) from exc  # a handler swallowed a database error
+            raise
 
     async def _handlers(self, txn: Transaction, live: list[Message]) -> dict[int, str | None]:
         results: dict[int, str | None] = {}
@@ -185,10 +233,14 @@ class _Attempt:
         for m in one_by_one:
             try:
                 results[id(m)] = encode_result(await self.call(m, txn.conn))
+                await self._still_open(txn)
             except Exception as exc:
                 self._raise_if_outage(exc, "a handler")
                 if self.may_rerun and self.txns.is_conflict(exc):
                     raise _Abort(_Rerun()) from exc
+                if not self.probe and self.txns.is_aborted(exc):
+                    # Aborted before this handler ran: an earlier one swallowed an error.
+                    raise _Abort(_Probe()) from exc
                 # Also a conflict that keeps coming back in this one message's handler
                 # (its own NOWAIT/lock_timeout): blame it.
                 raise _Abort(_Failed(m, exc)) from exc
@@ -211,6 +263,8 @@ class _Attempt:
                 continue
             try:
                 outs = await call_many(group, txn.conn)
+                if self.txns.ended():
+                    raise HandlerEndedTransaction("a batch handler ended the transaction")
                 if outs is None:
                     rest.extend(group)
                     continue
@@ -218,8 +272,25 @@ class _Attempt:
                     results[id(m)] = encode_result(out)
             except Exception as exc:
                 self._raise_if_outage(exc, "a batch handler")
+                if self.txns.is_aborted(exc):
+                    raise _Abort(_Probe()) from exc
                 raise _Abort(_Rerun() if self.txns.is_conflict(exc) else _OneByOne()) from exc
         return rest
+
+    async def _still_open(self, txn: Transaction) -> None:
+        """After a handler returned: its transaction must still be open (a local check) and,
+        once one was found aborted, not aborted (a probe)."""
+        if self.txns.ended():
+            raise HandlerEndedTransaction("the handler ended the transaction (COMMIT/ROLLBACK)")
+        if self.probe:
+            try:
+                await txn.probe()
+            except Exception as exc:
+                if self.txns.is_aborted(exc):
+                    raise HandlerLeftTransactionAborted(
+                        "the handler returned with the transaction aborted (it caught a "
+                        f"database error and carried on): {exc}") from exc
+                raise
 
     def _raise_if_outage(self, exc: BaseException, where: str) -> None:
         """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
@@ -267,7 +338,7 @@ def encode_result(value: Any) -> str | None:
     handler's failure, not the batch's)."""
     if value is None:
         return None
-    encoded = orjson.dumps(value).decode()
-    if "\\u0000" in encoded:
+    raw = orjson.dumps(value)
+    if json_holds_nul(raw):
         raise ValueError("handler result contains a NUL character (not storable in jsonb)")
-    return encoded
+    return raw.decode()

@@ -9,6 +9,7 @@ A B-tree index entry must fit in about a third of a page (2,704 bytes with the d
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, overload
 
 from pydantic import Field, StrictInt, StrictStr
@@ -33,3 +34,15 @@ def storable(text: str | None) -> str | None:
     """PostgreSQL ``text`` cannot hold U+0000: escape it in values we only record (error
     messages, a poison message's request_id), so that recording them never fails."""
     return text.replace("\x00", "\\x00") if text is not None and "\x00" in text else text
+
+
+#: U+0000 in JSON text as a serialiser writes it: ``\u0000`` after an even number of other
+#: backslashes (an odd count in all). The six characters backslash-u-0-0-0-0 themselves are
+#: written ``\\u0000`` (the backslash escaped): jsonb stores those.
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def json_holds_nul(encoded: bytes) -> bool:
+    """Whether serialised JSON holds U+0000 in a string or key — what ``jsonb`` refuses
+    ("unsupported Unicode escape sequence") — and not merely the text backslash-u0000."""
+    return b"\\u0000" in encoded and _NUL_ESCAPE.search(encoded) is not None

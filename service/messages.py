@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from service import attributes
 from service.handlers.registry import Registry
-from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
+from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS, json_holds_nul
 from service.pointers import Fetched, Pointer
 
 
@@ -184,7 +184,7 @@ def _canonical(raw: Received, payload: dict[str, Any], request_id: str,
         # between the two would raise out of parse() and fail its whole batch.
         return Poison(raw, "invalid_payload", f"payload cannot be stored: {exc}",
                       request_id, mtype)
-    if b"\\u0000" in canonical:
+    if json_holds_nul(canonical):
         # PostgreSQL's jsonb cannot store U+0000: it would fail the whole batch's claim.
         return Poison(raw, "invalid_payload", "payload contains a NUL character (\\u0000)",
                       request_id, mtype)

@@ -236,7 +236,11 @@ def describe(exc: BaseException) -> str:
     """A storable one-line error (recorded in retry_attempts and dead_letters): of an error
     the store translated, the database's own (``errors.driver_error``)."""
     exc = driver_error(exc)
-    return storable(f"{type(exc).__name__}: {exc}")[:2000]
+    try:
+        text = str(exc)
+    except Exception as err:  # a handler's exception that cannot print itself still failed
+        text = f"<its str() raised {type(err).__name__}>"
+    return storable(f"{type(exc).__name__}: {text}")[:2000]
 
 
 def settle_failures(

@@ -358,6 +358,15 @@ class _PgTransactions:
     def is_conflict(self, exc: BaseException) -> bool:
         return isinstance(exc, RETRY_TRANSACTION)
 
+    def is_aborted(self, exc: BaseException) -> bool:
+        return isinstance(exc, asyncpg.InFailedSQLTransactionError)
+
+    def ended(self) -> bool:
+        return not self.conn.is_in_transaction()
+
+    async def probe(self) -> None:
+        await self.conn.execute("SELECT 1")
+
     async def fence(self, request_ids: Sequence[str]) -> set[str]:
         rows = await self.conn.fetch(Q["fence"], list(request_ids), self.owner)
         return {r["request_id"] for r in rows}

@@ -495,6 +495,15 @@ class _FakeTransactions:
     def is_conflict(self, exc: BaseException) -> bool:
         return False
 
+    def is_aborted(self, exc: BaseException) -> bool:
+        return False
+
+    def ended(self) -> bool:
+        return False
+
+    async def probe(self) -> None:
+        return None
+
     async def fence(self, request_ids: Sequence[str]) -> set[str]:
         rows = self.store.db.rows
         return {r for r in request_ids if _held_by(self.store.worker_id, rows.get(r))}
