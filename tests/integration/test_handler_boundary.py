@@ -1,0 +1,139 @@
+"""What a handler author can do to the batch path, on the real PostgreSQL store: each test
+here is a bug found at that boundary (xfail strict until it is fixed). The batch runs
+through ``BatchProcessor`` over ``Store`` and an in-memory queue, as ``service.kit`` does,
+with redeliveries made by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from service.batch import BatchProcessor
+from service.dbhealth import DatabaseHealth
+from service.handlers import Registry, current_request_id
+from service.retry import ReceiveLimit, RetryPolicy
+from service.store import Store, create_pool
+from service.testing import FakeQueue
+
+
+class P(BaseModel):
+    note: str = ""
+
+
+def body(rid: str, type_: str, **payload: Any) -> str:
+    return json.dumps({"request_id": rid, "type": type_, "payload": payload})
+
+
+async def effect(conn: Any) -> None:
+    """The handler's database effect: one row in ``fx`` per run that commits."""
+    await conn.execute("INSERT INTO fx VALUES ($1)", current_request_id())
+
+
+async def well_behaved(_p: P, conn: Any) -> dict[str, Any]:
+    await effect(conn)
+    return {"ok": True}
+
+
+async def fails(_p: P, _conn: Any) -> None:
+    raise RuntimeError("this neighbour fails")
+
+
+def registry(**handlers: Any) -> Registry:
+    reg = Registry()
+    for type_, fn in handlers.items():
+        reg.register(type_, P, fn)
+    return reg
+
+
+class Rig:
+    """One worker's batch path on ``dsn``; ``round()`` receives and runs one batch, making
+    everything visible first (a redelivery)."""
+
+    def __init__(self, dsn: str, reg: Registry, pool_size: int = 4, max_failures: int = 3):
+        self.dsn, self.reg, self.pool_size, self.max_failures = dsn, reg, pool_size, max_failures
+
+    async def __aenter__(self) -> Rig:
+        self.pool = await create_pool(self.dsn, self.pool_size)
+        self.store = Store(self.pool, "boundary-worker")
+        await self.store.register_worker("boundary")
+        self.queue = FakeQueue()
+        self.health = DatabaseHealth(self.store, asyncio.Event(), self._back)
+        self.proc = BatchProcessor(
+            self.queue, self.store, self.reg, RetryPolicy(max_failures=self.max_failures),
+            self.health, fifo=False, visibility_timeout=30, handler_timeout=60,
+            fatal=lambda *a, **k: None, limit=ReceiveLimit(self.max_failures))
+        return self
+
+    async def _back(self) -> None:
+        await self.proc.executor.release_unreleased()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.health.cancel()
+        await self.pool.close()
+
+    async def round(self) -> None:
+        for m in self.queue.messages.values():
+            m.visible_at = 0
+        batch = await self.queue.receive(10, 0, 30)
+        if batch:
+            await self.proc.run(batch)
+
+
+@pytest.fixture
+async def fx(db: asyncpg.Connection) -> asyncpg.Connection:
+    await db.execute("CREATE TABLE fx (rid text)")
+    return db
+
+
+async def effects(db: asyncpg.Connection, rid: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM fx WHERE rid = $1", rid))
+
+
+async def status(db: asyncpg.Connection, rid: str) -> str | None:
+    return await db.fetchval("SELECT status FROM modifications WHERE request_id = $1", rid)
+
+
+async def failures(db: asyncpg.Connection, rid: str) -> int | None:
+    return await db.fetchval("SELECT failures FROM retry_attempts WHERE request_id = $1", rid)
+
+
+@pytest.mark.xfail(strict=True, reason="a handler that executes ROLLBACK ends the completing "
+                   "transaction unnoticed: the neighbours before it are marked COMPLETED and acked "
+                   "with their effects rolled back (lost)")
+async def test_a_handler_that_rolls_back_loses_no_neighbours_effect(
+    database_url: str, fx: asyncpg.Connection
+) -> None:
+    async def rolls_back(_p: P, conn: Any) -> None:
+        await conn.execute("ROLLBACK")
+
+    async with Rig(database_url, registry(ok=well_behaved, rb=rolls_back)) as rig:
+        rig.queue.send(body("neighbour", "ok"))
+        rig.queue.send(body("rolls-back", "rb"))
+        await rig.round()
+        acked = len(rig.queue.deleted)
+    # The neighbour was acked and is COMPLETED (its outcome says it landed)...
+    assert acked >= 1 and await status(fx, "neighbour") == "COMPLETED"
+    # ... so its effect must be there.
+    assert await effects(fx, "neighbour") == 1
+
+
+@pytest.mark.xfail(strict=True, reason="a handler that executes COMMIT makes its effect durable "
+                   "before the completion; a failing neighbour reruns the transaction and the "
+                   "effect lands twice")
+async def test_a_handler_that_commits_is_not_applied_twice(
+    database_url: str, fx: asyncpg.Connection
+) -> None:
+    async def commits(_p: P, conn: Any) -> None:
+        await effect(conn)
+        await conn.execute("COMMIT")
+
+    async with Rig(database_url, registry(c=commits, bad=fails)) as rig:
+        rig.queue.send(body("commits", "c"))
+        rig.queue.send(body("bad", "bad"))
+        await rig.round()
+    assert await effects(fx, "commits") <= 1
