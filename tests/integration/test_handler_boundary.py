@@ -137,3 +137,50 @@ async def test_a_handler_that_commits_is_not_applied_twice(
         rig.queue.send(body("bad", "bad"))
         await rig.round()
     assert await effects(fx, "commits") <= 1
+
+
+@pytest.mark.xfail(strict=True, reason="a handler that catches a database error and returns "
+                   "leaves the transaction aborted: the completion fails the whole batch, "
+                   "neighbours rolled back, the failure never counted (hand-back loop)")
+async def test_a_handler_that_swallows_a_database_error_fails_alone(
+    database_url: str, fx: asyncpg.Connection
+) -> None:
+    async def swallows(_p: P, conn: Any) -> None:
+        try:
+            await conn.execute("SELECT 1/0")
+        except asyncpg.DivisionByZeroError:
+            pass  # "ignore it": the transaction is aborted all the same
+
+    async with Rig(database_url, registry(ok=well_behaved, sw=swallows)) as rig:
+        for rid, type_ in (("n1", "ok"), ("swallows", "sw"), ("n2", "ok")):
+            rig.queue.send(body(rid, type_))
+        await rig.round()
+    assert [await status(fx, r) for r in ("n1", "n2")] == ["COMPLETED", "COMPLETED"]
+    assert await failures(fx, "swallows") == 1
+
+
+@pytest.mark.parametrize("breaks", ["closes", "leaves_a_query_running"])
+@pytest.mark.xfail(strict=True, reason="a handler that closes its connection, or leaves a query "
+                   "running on it, is read as a database outage: never counted, never "
+                   "bisected, never dead-lettered, the database marked down on every receive")
+async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limit(
+    breaks: str, database_url: str, fx: asyncpg.Connection
+) -> None:
+    async def breaker(_p: P, conn: Any) -> None:
+        if breaks == "closes":
+            await conn.close()
+            return
+        asyncio.ensure_future(conn.execute("SELECT pg_sleep(0.3)"))
+        await asyncio.sleep(0)
+        raise ValueError("left a query running")
+
+    async with Rig(database_url, registry(br=breaker), max_failures=2) as rig:
+        rig.queue.send(body("breaks", "br"))
+        # Far more receives than the limit (2) and the repeat-offender net (3 x 2).
+        for _ in range(8):
+            await rig.round()
+            await asyncio.wait_for(rig.health.up.wait(), 30)
+            if not rig.queue.messages:
+                break
+        lettered = await fx.fetchval("SELECT count(*) FROM dead_letters")
+    assert lettered == 1, f"{rig.queue.visibility_calls=}"
