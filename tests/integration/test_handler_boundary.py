@@ -159,10 +159,11 @@ async def test_a_handler_that_swallows_a_database_error_fails_alone(
     assert await failures(fx, "swallows") == 1
 
 
-@pytest.mark.parametrize("breaks", ["closes", "leaves_a_query_running"])
-@pytest.mark.xfail(strict=True, reason="a handler that closes its connection, or leaves a query "
-                   "running on it, is read as a database outage: never counted, never "
-                   "bisected, never dead-lettered, the database marked down on every receive")
+@pytest.mark.parametrize("breaks", ["closes", "leaves_a_query_running", "own_connection_error"])
+@pytest.mark.xfail(strict=True, reason="a handler that closes its connection, leaves a query "
+                   "running on it, or raises a connection error of another connection of its "
+                   "own, is read as a database outage: never counted, never bisected, never "
+                   "dead-lettered, the database marked down on every receive")
 async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limit(
     breaks: str, database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -170,6 +171,9 @@ async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limi
         if breaks == "closes":
             await conn.close()
             return
+        if breaks == "own_connection_error":
+            # As its own connection to another database (a lookup service) would raise.
+            raise asyncpg.ConnectionDoesNotExistError("the lookup database went away")
         asyncio.ensure_future(conn.execute("SELECT pg_sleep(0.3)"))
         await asyncio.sleep(0)
         raise ValueError("left a query running")
