@@ -102,9 +102,6 @@ async def failures(db: asyncpg.Connection, rid: str) -> int | None:
     return await db.fetchval("SELECT failures FROM retry_attempts WHERE request_id = $1", rid)
 
 
-@pytest.mark.xfail(strict=True, reason="a handler that executes ROLLBACK ends the completing "
-                   "transaction unnoticed: the neighbours before it are marked COMPLETED and acked "
-                   "with their effects rolled back (lost)")
 async def test_a_handler_that_rolls_back_loses_no_neighbours_effect(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -122,9 +119,6 @@ async def test_a_handler_that_rolls_back_loses_no_neighbours_effect(
     assert await effects(fx, "neighbour") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a handler that executes COMMIT makes its effect durable "
-                   "before the completion; a failing neighbour reruns the transaction and the "
-                   "effect lands twice")
 async def test_a_handler_that_commits_is_not_applied_twice(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -139,9 +133,6 @@ async def test_a_handler_that_commits_is_not_applied_twice(
     assert await effects(fx, "commits") <= 1
 
 
-@pytest.mark.xfail(strict=True, reason="a handler that catches a database error and returns "
-                   "leaves the transaction aborted: the completion fails the whole batch, "
-                   "neighbours rolled back, the failure never counted (hand-back loop)")
 async def test_a_handler_that_swallows_a_database_error_fails_alone(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -195,9 +186,6 @@ class Unprintable(Exception):
         raise RuntimeError("this exception cannot be printed")
 
 
-@pytest.mark.xfail(strict=True, reason="an exception whose str() raises breaks describe() after "
-                   "the commit: the committed neighbour is not acked and the failure is never "
-                   "counted (the batch is handed back whole, again and again)")
 async def test_an_unprintable_exception_is_counted_and_its_neighbour_acked(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -214,9 +202,6 @@ async def test_an_unprintable_exception_is_counted_and_its_neighbour_acked(
     assert await failures(fx, "unprintable") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a result holding the text backslash-u0000 (an escaped "
-                   "backslash, storable in jsonb) is refused as a NUL character: the handler's "
-                   "success is counted as a failure, retried, dead-lettered")
 async def test_a_result_with_an_escaped_backslash_u0000_text_completes(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -234,9 +219,6 @@ async def test_a_result_with_an_escaped_backslash_u0000_text_completes(
             "pattern": text}
 
 
-@pytest.mark.xfail(strict=True, reason="a payload holding the text backslash-u0000 (an escaped "
-                   "backslash, storable in jsonb) is dead-lettered as invalid_payload 'contains a "
-                   "NUL character': a valid request is refused")
 async def test_a_payload_with_an_escaped_backslash_u0000_text_completes(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
