@@ -263,8 +263,7 @@ RW = {"SELECT", "INSERT", "UPDATE", "DELETE"}
 EXPECTED = {
     "sqs_ingest_app": {
         "modifications": RW, "retry_attempts": RW, "dead_letters": RW, "outbox": RW,
-        "workers": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
-        "payload_refusals": {"SELECT", "INSERT", "UPDATE"},
+        "workers": RW, "payload_refusals": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
         "entity_checkpoints": {"SELECT", "INSERT", "UPDATE"},
         "reconciliation_runs": {"SELECT", "UPDATE", "DELETE"},
         "reconciliation_discrepancies": {"SELECT", "UPDATE", "DELETE"},
