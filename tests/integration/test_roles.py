@@ -389,3 +389,32 @@ async def test_payload_refusals_under_the_app_role(cluster: tuple[Postgres, str,
         assert (row["refusals"], row["last_error"]) == (2, "AccessDenied again")
     finally:
         await pool.close()
+
+
+async def test_payload_refusals_are_pruned_under_the_app_role(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    """The pruner's refusals step (its DELETE ... FOR UPDATE SKIP LOCKED) as the app role:
+    the pass completes (no permission error on its last step), a pointer not refused for
+    INGEST_RETENTION_DAYS goes, one refused now stays."""
+    from service.prune import prune_once
+    from service.settings import Settings
+    from service.store import Store, create_pool
+
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    old, fresh = (f"s3://payloads/{uuid.uuid4().hex}" for _ in range(2))
+    pool = await create_pool(dsn, 2)
+    try:
+        await Store(pool).note_refusals({old: "AccessDenied", fresh: "AccessDenied"})
+        await pool.execute("UPDATE payload_refusals SET first_refused_at = now() - interval"
+                           " '41 days', last_refused_at = now() - interval '40 days'"
+                           " WHERE pointer = $1", old)
+        counts = await prune_once(dsn, Settings(queue_url="http://127.0.0.1:1/q",
+                                                database_url=dsn))
+        assert counts is not None and counts["payload_refusals"] >= 1
+        left = await pool.fetch("SELECT pointer FROM payload_refusals WHERE pointer = ANY($1)",
+                                [old, fresh])
+        assert [r[0] for r in left] == [fresh]
+    finally:
+        await pool.close()
