@@ -418,3 +418,33 @@ async def test_payload_refusals_are_pruned_under_the_app_role(
         assert [r[0] for r in left] == [fresh]
     finally:
         await pool.close()
+
+
+async def test_grants_older_than_the_refusals_step_fail_the_pass_after_the_rest(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    """A database whose grants predate the refusals step (roles.sql not run again after the
+    upgrade: no DELETE on payload_refusals): the pass fails on that step, its last, so every
+    other table was pruned first; the daemon logs it as ``prune_failed`` and goes on."""
+    from service.errors import DatabaseError
+    from service.prune import prune_once
+    from service.settings import Settings
+
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    rid = f"{uuid.uuid4().hex[:8]}-old"
+    admin = await asyncpg.connect(pg.dsn(DB))
+    try:
+        await admin.execute(
+            "INSERT INTO modifications (request_id, request_type, payload, payload_sha256,"
+            " status, sqs_message_id, completed_at) VALUES ($1, 'x', '{}', 'h', 'COMPLETED',"
+            " $1, now() - interval '40 days')", rid)
+        await admin.execute("REVOKE DELETE ON payload_refusals FROM sqs_ingest_app")
+        with pytest.raises(DatabaseError) as failed:
+            await prune_once(dsn, Settings(queue_url="http://127.0.0.1:1/q", database_url=dsn))
+        assert isinstance(failed.value.__cause__, asyncpg.InsufficientPrivilegeError)
+        assert await admin.fetchval(
+            "SELECT count(*) FROM modifications WHERE request_id = $1", rid) == 0
+    finally:
+        await admin.execute("GRANT DELETE ON payload_refusals TO sqs_ingest_app")
+        await admin.close()
