@@ -41,7 +41,7 @@ DELETE_OUTCOMES: tuple[DeleteOutcome, ...] = get_args(DeleteOutcome)
 #: ``pruned_rows_total{table}``: every table the pruner deletes from (``service.prune``).
 PrunedTable = Literal[
     "modifications", "retry_attempts", "dead_letters", "reconciliation_discrepancies",
-    "reconciliation_runs", "workers", "outbox",
+    "reconciliation_runs", "workers", "outbox", "payload_refusals",
 ]
 PRUNED_TABLES: tuple[PrunedTable, ...] = get_args(PrunedTable)
 

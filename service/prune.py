@@ -17,6 +17,17 @@ What goes, and when (each retention is a setting, README "Retention"):
   ``INGEST_RECONCILE_RETENTION_DAYS`` after the run finished.
 * ``workers``: ``INGEST_WORKER_RETENTION_DAYS`` after the last heartbeat, claims released.
 * ``outbox``: published rows ``INGEST_RESULTS_RETENTION_DAYS`` after publication.
+* ``payload_refusals``: a pointer's row ``INGEST_RETENTION_DAYS`` after S3 last refused it.
+  Every refusal moves ``last_refused_at``, so a pointer S3 still refuses is never due; one
+  not refused for that long belongs, as a rule, to a message the queue no longer holds
+  (the same check as for ``modifications``). The row only times a refusal: if its message
+  does come back (copies that met only S3 outages meanwhile, a ``dlq replay`` of its
+  ``payload_unreadable`` letter), the next refusal starts the clock again, and the message
+  is dead-lettered ``INGEST_S3_UNREADABLE_AFTER`` later instead of at once — nothing is
+  lost or applied twice. ``last_refused_at``, not ``first_refused_at``: a pointer refused
+  for longer than the retention would otherwise lose its clock while still refused. Last
+  step: a database whose grants predate it (no DELETE: ``deploy/sql/roles.sql`` not run
+  again) still has every other table pruned before the pass fails on it.
 
 Exactly-once depends on the first one: a request deleted while SQS can still deliver it
 again would be applied again. ``service.retention.check_retention`` refuses any retention
@@ -26,9 +37,10 @@ each pass, and ``sqs-ingest prune``: ``service.prune_command``).
 This module is the data access of a pass (asyncpg); the rule is ``service.retention``.
 
 How: batches of ``INGEST_PRUNE_BATCH_SIZE`` rows, each one statement in its own transaction,
-picked oldest first by a partial index (migration 004) with ``FOR UPDATE SKIP LOCKED``;
-``INGEST_PRUNE_PAUSE`` seconds between batches. A pass is resumable by construction: it
-keeps no state, so an interrupted one simply continues where the next one starts.
+picked oldest first by an index (migration 004; 006's for ``payload_refusals``) with ``FOR
+UPDATE SKIP LOCKED``; ``INGEST_PRUNE_PAUSE`` seconds between batches. A pass is resumable
+by construction: it keeps no state, so an interrupted one simply continues where the next
+one starts.
 
 One pruner at a time across replicas: a session advisory lock (``pg_try_advisory_lock``) on
 the pass's own connection. A second pruner does not wait: it skips the pass. The lock goes
@@ -90,6 +102,10 @@ STEPS = (
          lambda s: s.reconcile_retention_days),
     Step("workers", "prune_workers", "prune_count_workers", lambda s: s.worker_retention_days),
     Step("outbox", "outbox_prune", "prune_count_outbox", lambda s: s.results_retention_days),
+    # Last: it needs the newest grant (DELETE, roles.sql), so a database whose grants
+    # predate it has every other table pruned before the pass fails here.
+    Step("payload_refusals", "prune_payload_refusals", "prune_count_payload_refusals",
+         lambda s: s.retention_days),
 )
 
 

@@ -142,6 +142,19 @@ MUTANTS: list[SqlMutant] = [
       "                                         WHERE m.owner = w.worker_id\n"
       "                                           AND m.status = 'IN_PROGRESS')", "",
       ('tests/integration/test_prune.py::test_only_what_is_past_its_retention_goes',)),
+    M("prune_refusals_cutoff_flipped", "prune_payload_refusals",
+      "WHERE last_refused_at < now()", "WHERE last_refused_at > now()",
+      ('tests/integration/test_prune.py::test_only_what_is_past_its_retention_goes',
+       'tests/integration/test_prune.py::test_a_refusal_goes_the_retention_after_its_last_refusal')),
+    M("prune_refusals_from_the_first", "prune_payload_refusals",
+      "WHERE last_refused_at < now()", "WHERE first_refused_at < now()",
+      ('tests/integration/test_prune.py::test_a_refusal_goes_the_retention_after_its_last_refusal',)),
+    M("prune_refusals_no_skip_locked", "prune_payload_refusals",
+      "FOR UPDATE SKIP LOCKED", "FOR UPDATE",
+      ('tests/integration/test_prune.py::test_the_refusal_pruner_skips_a_pointer_being_refused',)),
+    M("prune_count_refusals_from_the_first", "prune_count_payload_refusals",
+      "WHERE last_refused_at < now()", "WHERE first_refused_at < now()",
+      ('tests/integration/test_prune.py::test_a_refusal_goes_the_retention_after_its_last_refusal',)),
 ]
 del M
 

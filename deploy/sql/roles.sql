@@ -117,7 +117,7 @@ REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM sqs_ingest_app, sqs_ingest_rec
 --                      published, pruned
 --   workers            registration, heartbeat, orphan GC, prune
 --   payload_refusals   the first time S3 refused a pointer (upsert: INSERT ... ON CONFLICT
---                      DO UPDATE ... RETURNING); nothing deletes from it yet
+--                      DO UPDATE ... RETURNING), pruned once not refused for the retention
 --   reconciliation_*   the daemon's pruner deletes old runs in batches (DELETE ... WHERE
 --                      needs SELECT; the batch's FOR UPDATE SKIP LOCKED needs UPDATE)
 --   ingest_schema_migrations  SELECT only: the schema check (/readyz, start-up)
@@ -137,7 +137,7 @@ BEGIN
         ('sqs_ingest_app', 'entity_checkpoints',           'SELECT, INSERT, UPDATE'),
         ('sqs_ingest_app', 'outbox',                       'SELECT, INSERT, UPDATE, DELETE'),
         ('sqs_ingest_app', 'workers',                      'SELECT, INSERT, UPDATE, DELETE'),
-        ('sqs_ingest_app', 'payload_refusals',             'SELECT, INSERT, UPDATE'),
+        ('sqs_ingest_app', 'payload_refusals',             'SELECT, INSERT, UPDATE, DELETE'),
         ('sqs_ingest_app', 'reconciliation_runs',          'SELECT, UPDATE, DELETE'),
         ('sqs_ingest_app', 'reconciliation_discrepancies', 'SELECT, UPDATE, DELETE'),
         ('sqs_ingest_app', 'ingest_schema_migrations',     'SELECT'),

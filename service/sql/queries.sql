@@ -430,3 +430,23 @@ SELECT count(*) FROM workers w
 
 -- name: prune_count_outbox
 SELECT count(*) FROM outbox WHERE published_at < now() - make_interval(secs => $1)
+
+-- name: prune_payload_refusals
+-- Pointers S3 has not refused for INGEST_RETENTION_DAYS (migration 006's index on
+-- last_refused_at). Every refusal moves last_refused_at, so a pointer S3 still refuses is
+-- never due. A message whose pointer was last refused that long ago is, as a rule, no
+-- longer in the queue (the retention exceeds MessageRetentionPeriod); if it comes back
+-- anyway (copies that met only S3 outages meanwhile, a `dlq replay`), its next refusal
+-- starts the clock again: a dead letter INGEST_S3_UNREADABLE_AFTER later, nothing lost.
+-- `= ANY(ARRAY(...))`, not `IN (...)`: the batch's pointers are then deleted by primary
+-- key probes; as a semi-join the planner preferred a whole-table scan per batch (measured
+-- on 1 M rows: 0.33 s a batch of 5,000 against 0.02 s).
+DELETE FROM payload_refusals
+ WHERE pointer = ANY(ARRAY(SELECT pointer FROM payload_refusals
+                            WHERE last_refused_at < now() - make_interval(secs => $1)
+                            ORDER BY last_refused_at LIMIT $2
+                              FOR UPDATE SKIP LOCKED))
+
+-- name: prune_count_payload_refusals
+SELECT count(*) FROM payload_refusals
+ WHERE last_refused_at < now() - make_interval(secs => $1)

@@ -21,7 +21,7 @@ from service import metrics
 from service.messages import Message, Received, payload_hash
 from service.prune import PRUNE_LOCK_KEY, STEPS, TABLES, delete_batch, prune_once
 from service.settings import Settings
-from service.store import Store, create_pool
+from service.store import Q, Store, create_pool
 from tests.integration.conftest import eventually, make_settings, running_worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +63,19 @@ async def completed(db: asyncpg.Connection, n: int, days_ago: float, prefix: str
         "        md5(i::text), 'COMPLETED', 'm-' || $1 || '-' || i, 'w',"
         "        now() - make_interval(secs => $3), now() - make_interval(secs => $3)"
         "   FROM generate_series(1, $2) AS i", prefix, n, days_ago * 86400)
+
+
+async def refusals(db: asyncpg.Connection, n: int, days_ago: float, prefix: str,
+                   first_days_ago: float | None = None) -> None:
+    """``n`` payload_refusals rows ``s3://b/<prefix>-<i>``, last refused ``days_ago`` (first
+    refused ``first_days_ago``, by default then too), as note_refusals leaves them."""
+    await db.execute(
+        "INSERT INTO payload_refusals (pointer, first_refused_at, last_refused_at, refusals,"
+        " last_error)"
+        " SELECT 's3://b/' || $1 || '-' || i, now() - make_interval(secs => $4),"
+        "        now() - make_interval(secs => $3) - make_interval(secs => i), 3, 'AccessDenied'"
+        "   FROM generate_series(1, $2) AS i",
+        prefix, n, days_ago * 86400, (first_days_ago or days_ago) * 86400 + n)
 
 
 def value(table: str) -> float:
@@ -136,17 +149,23 @@ async def test_only_what_is_past_its_retention_goes(
         " ('o1', 'COMPLETED', now() - interval '8 days'),"
         " ('o2', 'COMPLETED', now() - interval '1 day'),"
         " ('o3', 'COMPLETED', NULL)")
+    await db.execute(
+        "INSERT INTO payload_refusals (pointer, first_refused_at, last_refused_at) VALUES"
+        " ('s3://b/old', now() - interval '40 days', now() - interval '31 days'),"
+        " ('s3://b/young', now() - interval '40 days', now() - interval '1 day')")
     before = {t: value(t) for t in TABLES}
     s = settings(database_url, prune_batch_size=5)  # several batches of modifications
 
     assert await prune_once(database_url, s, dry_run=True) == {
         "modifications": 12, "retry_attempts": 2, "dead_letters": 1,
-        "reconciliation_discrepancies": 4, "reconciliation_runs": 1, "workers": 1, "outbox": 1}
+        "reconciliation_discrepancies": 4, "reconciliation_runs": 1, "workers": 1, "outbox": 1,
+        "payload_refusals": 1}
     counts = await prune_once(database_url, s)
 
     assert counts == {
         "modifications": 12, "retry_attempts": 2, "dead_letters": 1,
-        "reconciliation_discrepancies": 4, "reconciliation_runs": 1, "workers": 1, "outbox": 1}
+        "reconciliation_discrepancies": 4, "reconciliation_runs": 1, "workers": 1, "outbox": 1,
+        "payload_refusals": 1}
     assert {t: value(t) - before[t] for t in TABLES} == counts
     left = await db.fetch("SELECT request_id FROM modifications ORDER BY 1")
     assert [r[0] for r in left] == ["ip-1", "ip-2", "young-1", "young-2", "young-3"]
@@ -158,6 +177,8 @@ async def test_only_what_is_past_its_retention_goes(
     assert {r[0] for r in await db.fetch("SELECT worker_id FROM workers")} == {
         "w-live", "w-holding"}
     assert {r[0] for r in await db.fetch("SELECT request_id FROM outbox")} == {"o2", "o3"}
+    assert [r[0] for r in await db.fetch("SELECT pointer FROM payload_refusals")] == [
+        "s3://b/young"]
     # Nothing left to do: a second pass deletes nothing.
     assert set((await prune_once(database_url, s) or {}).values()) == {0}
 
@@ -326,12 +347,15 @@ async def test_the_daemon_prunes_periodically(
 ) -> None:
     """The worker's own pass (INGEST_PRUNE_INTERVAL), its rows counted in the metric."""
     await completed(db, 7, 40, "old")
-    before = value("modifications")
+    await refusals(db, 3, 40, "old")
+    before = {t: value(t) for t in ("modifications", "payload_refusals")}
     cfg = make_settings(queue_url, database_url, sqs_endpoint, prune_interval=0.5)
     async with running_worker(cfg):
         await eventually(lambda: db.fetchval(
-            "SELECT count(*) = 0 FROM modifications"), "the daemon's prune pass", 20)
-    assert value("modifications") - before == 7
+            "SELECT (SELECT count(*) FROM modifications)"
+            "     + (SELECT count(*) FROM payload_refusals) = 0"), "the daemon's prune pass", 20)
+    assert {t: value(t) - n for t, n in before.items()} == {
+        "modifications": 7, "payload_refusals": 3}
 
 
 async def test_each_pass_of_the_daemon_checks_the_queue_s_retention_again(
@@ -441,6 +465,108 @@ async def test_the_driver_s_errors_leave_a_pass_as_service_errors(
         assert isinstance(failed.value.__cause__, asyncpg.UndefinedTableError)
     finally:
         await db.execute("ALTER TABLE workers_gone RENAME TO workers")
+
+
+# -- payload_refusals: INGEST_RETENTION_DAYS after the last refusal -------------------------
+
+REFUSALS = next(s for s in STEPS if s.table == "payload_refusals")
+
+
+async def pointers(db: asyncpg.Connection) -> list[str]:
+    return [r[0] for r in await db.fetch("SELECT pointer FROM payload_refusals ORDER BY 1")]
+
+
+async def test_a_refusal_goes_the_retention_after_its_last_refusal(
+    pool: asyncpg.Pool, db: asyncpg.Connection, database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted from ``last_refused_at`` with INGEST_RETENTION_DAYS (30; the other retentions
+    set apart: 7, 45, 90), in batches each committed on its own; a pointer refused again
+    after its row went starts its clock again, one still refused keeps it."""
+    from service import prune
+
+    await refusals(db, 5, 31, "old")                         # not refused for 31 days: due
+    await refusals(db, 1, 29, "young")                       # 29 days: kept
+    await refusals(db, 1, 1, "lately", first_days_ago=60)    # refused since 60 days, still
+    seen: list[int] = []
+    original = prune.delete_batch
+
+    async def watched(conn: asyncpg.Connection, step: Any, s: Settings,
+                      limit: int) -> dict[str, int]:
+        if step.table == "payload_refusals":  # what another session sees: batches committed
+            seen.append(await db.fetchval("SELECT count(*) FROM payload_refusals"))
+        return await original(conn, step, s, limit)
+
+    monkeypatch.setattr(prune, "delete_batch", watched)
+    s = settings(database_url, retention_days=30, dead_letter_retention_days=45,
+                 worker_retention_days=7, results_retention_days=7, prune_batch_size=2)
+    before = value("payload_refusals")
+
+    assert (await prune_once(database_url, s, dry_run=True) or {})["payload_refusals"] == 5
+    counts = await prune_once(database_url, s)
+
+    assert counts is not None and counts["payload_refusals"] == 5
+    assert value("payload_refusals") - before == 5
+    assert seen == [7, 5, 3]  # batches of 2, 2, 1: the last one short, the step ends
+    assert await pointers(db) == ["s3://b/lately-1", "s3://b/young-1"]
+    # A pruned pointer refused again is a new refusal (its clock starts again); one that
+    # stayed is still counted from its first refusal, 60 days ago.
+    again = await Store(pool, "w-a").note_refusals({"s3://b/old-1": "AccessDenied",
+                                                     "s3://b/lately-1": "AccessDenied"})
+    assert again["s3://b/old-1"] < 60
+    assert again["s3://b/lately-1"] > 59 * 86400
+
+
+async def test_the_refusal_pruner_skips_a_pointer_being_refused(
+    db: asyncpg.Connection, database_url: str,
+) -> None:
+    """A refusal in flight (note_refusals' upsert, uncommitted) holds its row: the batch
+    skips it instead of waiting, and once committed the refusal keeps the row young."""
+    await refusals(db, 4, 40, "old")
+    s = settings(database_url)
+    refuser = await asyncpg.connect(database_url)
+    pruner = await asyncpg.connect(database_url)
+    try:
+        async with refuser.transaction():
+            await refuser.fetch(Q["note_refusals"], ["s3://b/old-2"], ["AccessDenied"])
+            await pruner.execute("SET lock_timeout = '2s'")  # a wait would be an error
+            async with pruner.transaction():
+                assert (await delete_batch(pruner, REFUSALS, s, 1000)) == {
+                    "payload_refusals": 3}
+        async with pruner.transaction():
+            assert (await delete_batch(pruner, REFUSALS, s, 1000)) == {"payload_refusals": 0}
+    finally:
+        await refuser.close()
+        await pruner.close()
+    assert await pointers(db) == ["s3://b/old-2"]
+
+
+async def test_a_refusal_waits_at_most_for_the_batch_in_flight(
+    pool: asyncpg.Pool, db: asyncpg.Connection, database_url: str,
+) -> None:
+    """The other way round: a refusal of a pointer the batch in flight is deleting waits
+    for that batch only, then records a new first refusal; other pointers do not wait."""
+    await refusals(db, 3, 40, "old")
+    store = Store(pool, "w-a")
+    pruner = await asyncpg.connect(database_url)
+    try:
+        tx = pruner.transaction()
+        await tx.start()
+        assert await delete_batch(pruner, REFUSALS, settings(database_url), 1000) == {
+            "payload_refusals": 3}
+        other = await asyncio.wait_for(store.note_refusals({"s3://b/new": "AccessDenied"}), 5)
+        assert other["s3://b/new"] < 60
+        task = asyncio.create_task(store.note_refusals({"s3://b/old-3": "AccessDenied"}))
+        await eventually(lambda: db.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%INSERT INTO payload_refusals%'"), "the refusal waiting", 10)
+        assert not task.done()
+        await tx.commit()
+        got = await asyncio.wait_for(task, 5)
+        assert got["s3://b/old-3"] < 60  # a new row: counted from now, not 40 days ago
+    finally:
+        await pruner.close()
+    assert await pointers(db) == ["s3://b/new", "s3://b/old-3"]
 
 
 # -- dlq replay of a letter whose request is past the retention ---------------------------

@@ -263,8 +263,7 @@ RW = {"SELECT", "INSERT", "UPDATE", "DELETE"}
 EXPECTED = {
     "sqs_ingest_app": {
         "modifications": RW, "retry_attempts": RW, "dead_letters": RW, "outbox": RW,
-        "workers": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
-        "payload_refusals": {"SELECT", "INSERT", "UPDATE"},
+        "workers": RW, "payload_refusals": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
         "entity_checkpoints": {"SELECT", "INSERT", "UPDATE"},
         "reconciliation_runs": {"SELECT", "UPDATE", "DELETE"},
         "reconciliation_discrepancies": {"SELECT", "UPDATE", "DELETE"},
@@ -390,3 +389,62 @@ async def test_payload_refusals_under_the_app_role(cluster: tuple[Postgres, str,
         assert (row["refusals"], row["last_error"]) == (2, "AccessDenied again")
     finally:
         await pool.close()
+
+
+async def test_payload_refusals_are_pruned_under_the_app_role(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    """The pruner's refusals step (its DELETE ... FOR UPDATE SKIP LOCKED) as the app role:
+    the pass completes (no permission error on its last step), a pointer not refused for
+    INGEST_RETENTION_DAYS goes, one refused now stays."""
+    from service.prune import prune_once
+    from service.settings import Settings
+    from service.store import Store, create_pool
+
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    old, fresh = (f"s3://payloads/{uuid.uuid4().hex}" for _ in range(2))
+    pool = await create_pool(dsn, 2)
+    try:
+        await Store(pool).note_refusals({old: "AccessDenied", fresh: "AccessDenied"})
+        await pool.execute("UPDATE payload_refusals SET first_refused_at = now() - interval"
+                           " '41 days', last_refused_at = now() - interval '40 days'"
+                           " WHERE pointer = $1", old)
+        counts = await prune_once(dsn, Settings(queue_url="http://127.0.0.1:1/q",
+                                                database_url=dsn))
+        assert counts is not None and counts["payload_refusals"] >= 1
+        left = await pool.fetch("SELECT pointer FROM payload_refusals WHERE pointer = ANY($1)",
+                                [old, fresh])
+        assert [r[0] for r in left] == [fresh]
+    finally:
+        await pool.close()
+
+
+async def test_grants_older_than_the_refusals_step_fail_the_pass_after_the_rest(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    """A database whose grants predate the refusals step (roles.sql not run again after the
+    upgrade: no DELETE on payload_refusals): the pass fails on that step, its last, so every
+    other table was pruned first; the daemon logs it as ``prune_failed`` and goes on."""
+    from service.errors import DatabaseError
+    from service.prune import prune_once
+    from service.settings import Settings
+
+    pg, _, app_pw = cluster
+    dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+    rid = f"{uuid.uuid4().hex[:8]}-old"
+    admin = await asyncpg.connect(pg.dsn(DB))
+    try:
+        await admin.execute(
+            "INSERT INTO modifications (request_id, request_type, payload, payload_sha256,"
+            " status, sqs_message_id, completed_at) VALUES ($1, 'x', '{}', 'h', 'COMPLETED',"
+            " $1, now() - interval '40 days')", rid)
+        await admin.execute("REVOKE DELETE ON payload_refusals FROM sqs_ingest_app")
+        with pytest.raises(DatabaseError) as failed:
+            await prune_once(dsn, Settings(queue_url="http://127.0.0.1:1/q", database_url=dsn))
+        assert isinstance(failed.value.__cause__, asyncpg.InsufficientPrivilegeError)
+        assert await admin.fetchval(
+            "SELECT count(*) FROM modifications WHERE request_id = $1", rid) == 0
+    finally:
+        await admin.execute("GRANT DELETE ON payload_refusals TO sqs_ingest_app")
+        await admin.close()

@@ -96,6 +96,17 @@ def test_every_step_is_a_short_batch_that_skips_locked_rows() -> None:
     assert tables.index("reconciliation_discrepancies") < tables.index("reconciliation_runs")
 
 
+def test_refusals_are_the_last_step_on_the_request_retention() -> None:
+    """payload_refusals: INGEST_RETENTION_DAYS (the one held above the queue's retention),
+    and last, so a database whose grants predate its DELETE has every other table pruned
+    before the pass fails there."""
+    last = STEPS[-1]
+    assert last.table == "payload_refusals"
+    assert last.retention(settings(retention_days=31, dead_letter_retention_days=45,
+                                   worker_retention_days=7, results_retention_days=8,
+                                   reconcile_retention_days=90)) == 31
+
+
 def test_every_table_series_exists_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     # A counter of its own: on the shared registry another test may have made the series.
     own = CollectorRegistry()
