@@ -23,9 +23,19 @@ class HandlerCancelled(Exception):
     loop that no dead-letter limit ends)."""
 
 
+class HandlerBaseException(Exception):
+    """A handler raised a ``BaseException`` that is not an ``Exception`` — ``SystemExit`` (a
+    library's ``sys.exit()``), ``KeyboardInterrupt``, ``GeneratorExit``, a class of its own:
+    the handler's failure like any other. Let through, it would end the batch's task with its
+    claims held and nothing handed back or counted — and ``SystemExit`` the whole daemon, on
+    every delivery. (The daemon's own SIGINT/SIGTERM arrive through the event loop's signal
+    handlers, never as an exception inside a handler.)"""
+
+
 class _CancelIsFailure:
     """``with``: a ``CancelledError`` out of the block becomes ``HandlerCancelled`` unless this
-    task is really being cancelled (shutdown, a batch given up), which passes unchanged."""
+    task is really being cancelled (shutdown, a batch given up), which passes unchanged; any
+    other ``BaseException`` that is not an ``Exception`` becomes ``HandlerBaseException``."""
 
     __slots__ = ()
 
@@ -35,8 +45,10 @@ class _CancelIsFailure:
     def __exit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if not isinstance(exc, asyncio.CancelledError):
+        if exc is None or isinstance(exc, Exception):
             return
+        if not isinstance(exc, asyncio.CancelledError):
+            raise HandlerBaseException(f"handler raised {exc!r}") from exc
         task = asyncio.current_task()
         if task is None or task.cancelling():
             return

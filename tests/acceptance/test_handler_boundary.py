@@ -35,8 +35,6 @@ def fetch_now(dsn: str, sql: str) -> Any:
         return ex.submit(asyncio.run, _fetch(dsn, sql)).result(30)
 
 
-@pytest.mark.xfail(strict=True, reason="a handler that calls sys.exit() ends the daemon (exit "
-                   "code 0, no drain) on every delivery: the message is never dead-lettered")
 async def test_a_handler_calling_sys_exit_is_dead_lettered_and_the_daemon_lives_on(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, tmp_path: Path
 ) -> None:

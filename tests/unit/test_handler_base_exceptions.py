@@ -36,9 +36,6 @@ async def _noop() -> None:
 
 @pytest.mark.parametrize("exc", [SystemExit(0), KeyboardInterrupt(), GeneratorExit(),
                                  OwnBase("own")], ids=lambda e: type(e).__name__)
-@pytest.mark.xfail(strict=True, reason="a handler's BaseException other than CancelledError "
-                   "escapes BatchProcessor.run (claims left IN_PROGRESS, nothing handed back, "
-                   "nothing counted): in the daemon the process dies, on every redelivery")
 async def test_a_handlers_base_exception_is_its_failure(exc: BaseException) -> None:
     async def ok(_p: P, _conn: Any) -> dict[str, Any]:
         return {"ok": True}
