@@ -24,11 +24,14 @@ from service.maintenance import Maintenance
 from service.messages import Received
 from service.payloads import S3Payloads
 from service.results import Publisher
-from service.retry import Backoff, ReceiveLimit, RetryPolicy, wait_any
+from service.retry import Backoff, ReceiveLimit, RetryPolicy, sleep_or_stop, wait_any
 from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 
 log = structlog.get_logger("sqs_ingest.worker")
+
+#: Seconds a poller leaves between the starts of two receives that came back empty.
+EMPTY_RECEIVE_INTERVAL = 1.0
 
 EXIT_OK, EXIT_FATAL = 0, 1
 __all__ = ["EXIT_ACK_FAILED", "EXIT_FATAL", "EXIT_OK", "INVALID_TYPE_LABEL", "Worker"]
@@ -239,6 +242,7 @@ class Worker:
             if not await _room(self.budget, self.receive_reserve, poll, self._stop):
                 self._slots.release()
                 break
+            asked = time.monotonic()
             try:
                 batch = await self.queue.receive(
                     10, self.s.wait_time_seconds, self.visibility_timeout
@@ -259,6 +263,12 @@ class Worker:
                                          lambda: not self.stopping and self.health.is_up)
             if not await self._dispatch(batch, owner):
                 break
+            if not batch:
+                # An empty answer that came at once (short polling, INGEST_WAIT_TIME_SECONDS=0):
+                # at most one receive a second per poller on an empty queue, not a hot loop
+                # of billed calls. A long poll's empty answer has waited already.
+                await sleep_or_stop(EMPTY_RECEIVE_INTERVAL - (time.monotonic() - asked),
+                                    self._stop)
 
     async def _dispatch(self, batch: list[Received], owner: object | None = None) -> bool:
         """Start a batch task for what a poll brought (it owns the slot, and ``owner``'s

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 from service.handlers import Registry
 from service.settings import Settings
 from service.testing import FakeQueue, FakeStore
@@ -35,9 +33,6 @@ class CountingQueue(FakeQueue):
         return await super().receive(*args, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="INGEST_WAIT_TIME_SECONDS=0 is accepted and an empty "
-                   "receive is followed at once by the next: every poller spins on "
-                   "ReceiveMessage with no backoff (a hot loop of billed API calls)")
 async def test_short_polling_on_an_empty_queue_does_not_spin() -> None:
     s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
                  wait_time_seconds=0, pollers=2, shutdown_timeout=5)
