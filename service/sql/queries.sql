@@ -181,11 +181,13 @@ SELECT count(*) AS pending,
 -- name: outbox_prune
 -- Published rows past their retention, in short batches (never an unpublished row); one of
 -- service/prune.py's steps (INGEST_RESULTS_RETENTION_DAYS).
+-- `= ANY(ARRAY(...))`, not `IN (...)`: as a semi-join the planner scans the whole table per
+-- batch (1 M rows: 232-246 ms a batch of 5,000 against 18-61 ms; bench/prune_batch_plans.py).
 DELETE FROM outbox
- WHERE id IN (SELECT id FROM outbox
-               WHERE published_at < now() - make_interval(secs => $1)
-               ORDER BY published_at LIMIT $2
-                 FOR UPDATE SKIP LOCKED)
+ WHERE id = ANY(ARRAY(SELECT id FROM outbox
+                       WHERE published_at < now() - make_interval(secs => $1)
+                       ORDER BY published_at LIMIT $2
+                         FOR UPDATE SKIP LOCKED))
 
 -- name: register_worker
 -- Also how a running worker whose row was pruned comes back (service.maintenance.beat);
@@ -365,22 +367,26 @@ SELECT count(*) FROM modifications m
 -- name: prune_retry_attempts
 -- Counts of a request that stopped coming back (its SQS retention ran out while it was
 -- failing): older than the retention, it can never be received again.
+-- `= ANY(ARRAY(...))`, not `IN (...)`: as a semi-join the planner scans the whole table per
+-- batch (1 M rows: 232-246 ms a batch of 5,000 against 18-61 ms; bench/prune_batch_plans.py).
 DELETE FROM retry_attempts
- WHERE request_id IN (SELECT request_id FROM retry_attempts
-                       WHERE updated_at < now() - make_interval(secs => $1)
-                       ORDER BY updated_at LIMIT $2
-                         FOR UPDATE SKIP LOCKED)
+ WHERE request_id = ANY(ARRAY(SELECT request_id FROM retry_attempts
+                               WHERE updated_at < now() - make_interval(secs => $1)
+                               ORDER BY updated_at LIMIT $2
+                                 FOR UPDATE SKIP LOCKED))
 
 -- name: prune_count_retry_attempts
 SELECT count(*) FROM retry_attempts WHERE updated_at < now() - make_interval(secs => $1)
 
 -- name: prune_dead_letters
 -- Replayed ones only: an unreplayed dead letter is kept until somebody looks at it.
+-- `= ANY(ARRAY(...))`, not `IN (...)`: as a semi-join the planner scans the whole table per
+-- batch (1 M rows: 232-246 ms a batch of 5,000 against 18-61 ms; bench/prune_batch_plans.py).
 DELETE FROM dead_letters
- WHERE id IN (SELECT id FROM dead_letters
-               WHERE replayed_at < now() - make_interval(secs => $1)
-               ORDER BY replayed_at LIMIT $2
-                 FOR UPDATE SKIP LOCKED)
+ WHERE id = ANY(ARRAY(SELECT id FROM dead_letters
+                       WHERE replayed_at < now() - make_interval(secs => $1)
+                       ORDER BY replayed_at LIMIT $2
+                         FOR UPDATE SKIP LOCKED))
 
 -- name: prune_count_dead_letters
 SELECT count(*) FROM dead_letters WHERE replayed_at < now() - make_interval(secs => $1)
