@@ -136,22 +136,31 @@ async def test_flaky_handler_retried_with_backoff_then_applied_once(
         await conn.close()
 
 
-async def test_always_failing_handler_ends_in_dead_letters(
-    sqs_client: Any, sqs_endpoint: str, make_queue: Any, effects_db: str, tmp_path: Path
+def drain_to_the_end(
+    sqs_client: Any, queue_url: str, env: dict[str, str], tmp_path: Path, send: Any
 ) -> None:
-    queue_url = make_queue(visibility=30)
-    raw = body("doomed", "chaos.flaky", fail_times=99)
-    d = Daemon(env_for(effects_db, queue_url, sqs_endpoint, tmp_path,
-                       INGEST_MAX_RECEIVE_COUNT="3"), tmp_path).start()
+    """One daemon with ``env``: ready, ``send()``, the queue drained, a clean stop (exit 0)."""
+    d = Daemon(env, tmp_path).start()
     try:
         d.wait_ready()
-        sqs_client.send_message(QueueUrl=queue_url, MessageBody=raw)
+        send()
         wait_drained(sqs_client, queue_url, [d], timeout=60)
         code = d.stop()
     finally:
         if not d.exited():
             d.kill9()
     assert code == 0, d.logs()
+
+
+async def test_always_failing_handler_ends_in_dead_letters(
+    sqs_client: Any, sqs_endpoint: str, make_queue: Any, effects_db: str, tmp_path: Path
+) -> None:
+    queue_url = make_queue(visibility=30)
+    raw = body("doomed", "chaos.flaky", fail_times=99)
+    drain_to_the_end(
+        sqs_client, queue_url,
+        env_for(effects_db, queue_url, sqs_endpoint, tmp_path, INGEST_MAX_RECEIVE_COUNT="3"),
+        tmp_path, lambda: sqs_client.send_message(QueueUrl=queue_url, MessageBody=raw))
     assert invocations(tmp_path) == ["doomed"] * 3
     conn = await asyncpg.connect(effects_db)
     try:
@@ -174,21 +183,14 @@ async def test_a_handler_raising_cancelled_error_is_its_failure_not_the_batchs(
     with it)."""
     queue_url = make_queue(visibility=30)
     doomed = body("doomed", "chaos.cancels", times=99)
-    d = Daemon(env_for(effects_db, queue_url, sqs_endpoint, tmp_path,
-                       INGEST_MAX_RECEIVE_COUNT="3"), tmp_path).start()
-    try:
-        d.wait_ready()
-        sqs_client.send_message_batch(QueueUrl=queue_url, Entries=[
+    drain_to_the_end(
+        sqs_client, queue_url,
+        env_for(effects_db, queue_url, sqs_endpoint, tmp_path, INGEST_MAX_RECEIVE_COUNT="3"),
+        tmp_path, lambda: sqs_client.send_message_batch(QueueUrl=queue_url, Entries=[
             {"Id": "0", "MessageBody": doomed},
             {"Id": "1", "MessageBody": body("once", "chaos.cancels", times=1)},
             {"Id": "2", "MessageBody": body("fine", "chaos.slow", seconds=0)},
-        ])
-        wait_drained(sqs_client, queue_url, [d], timeout=60)
-        code = d.stop()
-    finally:
-        if not d.exited():
-            d.kill9()
-    assert code == 0, d.logs()
+        ]))
     assert invocations(tmp_path).count("doomed") == 3
     assert invocations(tmp_path).count("once") == 2
     conn = await asyncpg.connect(effects_db)
