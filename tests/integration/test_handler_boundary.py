@@ -102,6 +102,11 @@ async def failures(db: asyncpg.Connection, rid: str) -> int | None:
     return await db.fetchval("SELECT failures FROM retry_attempts WHERE request_id = $1", rid)
 
 
+async def last_error(db: asyncpg.Connection, rid: str) -> str | None:
+    """What an operator reads of a failure (retry_attempts, then the dead letter)."""
+    return await db.fetchval("SELECT last_error FROM retry_attempts WHERE request_id = $1", rid)
+
+
 async def test_a_handler_that_rolls_back_loses_no_neighbours_effect(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
@@ -117,6 +122,8 @@ async def test_a_handler_that_rolls_back_loses_no_neighbours_effect(
     assert acked >= 1 and await status(fx, "neighbour") == "COMPLETED"
     # ... so its effect must be there.
     assert await effects(fx, "neighbour") == 1
+    assert await last_error(fx, "rolls-back") == (
+        "HandlerEndedTransaction: the handler ended the transaction (COMMIT/ROLLBACK)")
 
 
 async def test_a_handler_that_commits_is_not_applied_twice(
@@ -131,6 +138,7 @@ async def test_a_handler_that_commits_is_not_applied_twice(
         rig.queue.send(body("bad", "bad"))
         await rig.round()
     assert await effects(fx, "commits") <= 1
+    assert (await last_error(fx, "commits") or "").startswith("HandlerEndedTransaction: ")
 
 
 async def test_a_handler_that_swallows_a_database_error_fails_alone(
@@ -148,6 +156,8 @@ async def test_a_handler_that_swallows_a_database_error_fails_alone(
         await rig.round()
     assert [await status(fx, r) for r in ("n1", "n2")] == ["COMPLETED", "COMPLETED"]
     assert await failures(fx, "swallows") == 1
+    assert (await last_error(fx, "swallows") or "").startswith(
+        "HandlerLeftTransactionAborted: the handler returned with the transaction aborted")
 
 
 @pytest.mark.parametrize("breaks", ["closes", "leaves_a_query_running", "own_connection_error"])
@@ -200,6 +210,7 @@ async def test_an_unprintable_exception_is_counted_and_its_neighbour_acked(
     assert await status(fx, "neighbour") == "COMPLETED"
     assert acked == [neighbour]
     assert await failures(fx, "unprintable") == 1
+    assert await last_error(fx, "unprintable") == "Unprintable: <its str() raised RuntimeError>"
 
 
 async def test_a_result_with_an_escaped_backslash_u0000_text_completes(
