@@ -141,17 +141,23 @@ async def test_a_handler_that_commits_is_not_applied_twice(
     assert (await last_error(fx, "commits") or "").startswith("HandlerEndedTransaction: ")
 
 
-async def test_a_handler_that_swallows_a_database_error_fails_alone(
-    database_url: str, fx: asyncpg.Connection
-) -> None:
-    async def swallows(_p: P, conn: Any) -> None:
-        try:
-            await conn.execute("SELECT 1/0")
-        except asyncpg.DivisionByZeroError:
-            pass  # "ignore it": the transaction is aborted all the same
+async def swallows(_p: P, conn: Any) -> None:
+    try:
+        await conn.execute("SELECT 1/0")
+    except asyncpg.DivisionByZeroError:
+        pass  # "ignore it": the transaction is aborted all the same
 
+
+@pytest.mark.parametrize("last", [False, True], ids=["a-neighbour-finds-it", "complete-finds-it"])
+async def test_a_handler_that_swallows_a_database_error_fails_alone(
+    last: bool, database_url: str, fx: asyncpg.Connection
+) -> None:
+    """Found aborted by the next handler's statement, or — the swallower last — by the
+    completing statement itself: either way the swallower fails, its neighbours complete."""
+    order = (("n1", "ok"), ("n2", "ok"), ("swallows", "sw")) if last else (
+        ("n1", "ok"), ("swallows", "sw"), ("n2", "ok"))
     async with Rig(database_url, registry(ok=well_behaved, sw=swallows)) as rig:
-        for rid, type_ in (("n1", "ok"), ("swallows", "sw"), ("n2", "ok")):
+        for rid, type_ in order:
             rig.queue.send(body(rid, type_))
         await rig.round()
     assert [await status(fx, r) for r in ("n1", "n2")] == ["COMPLETED", "COMPLETED"]
