@@ -264,7 +264,7 @@ class _Attempt:
             try:
                 outs = await call_many(group, txn.conn)
                 if self.txns.ended():
-                    raise HandlerEndedTransaction("a batch handler ended the transaction")
+                    raise HandlerEndedTransaction  # one by one finds (and blames) it
                 if outs is None:
                     rest.extend(group)
                     continue
@@ -272,8 +272,7 @@ class _Attempt:
                     results[id(m)] = encode_result(out)
             except Exception as exc:
                 self._raise_if_outage(exc, "a batch handler")
-                if self.txns.is_aborted(exc):
-                    raise _Abort(_Probe()) from exc
+                # Found aborted too: one by one, where the next finding starts the probes.
                 raise _Abort(_Rerun() if self.txns.is_conflict(exc) else _OneByOne()) from exc
         return rest
 
