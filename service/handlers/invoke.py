@@ -32,7 +32,7 @@ class HandlerBaseException(Exception):
     handlers, never as an exception inside a handler.)"""
 
 
-class _CancelIsFailure:
+class _OwnBaseExceptions:
     """``with``: a ``CancelledError`` out of the block becomes ``HandlerCancelled`` unless this
     task is really being cancelled (shutdown, a batch given up), which passes unchanged; any
     other ``BaseException`` that is not an ``Exception`` becomes ``HandlerBaseException``."""
@@ -55,7 +55,7 @@ class _CancelIsFailure:
         raise HandlerCancelled(f"handler raised CancelledError, not cancelled: {exc!r}") from exc
 
 
-_cancel_is_failure = _CancelIsFailure()
+_own_base_exceptions = _OwnBaseExceptions()
 
 
 class Invoker:
@@ -73,7 +73,7 @@ class Invoker:
             request_context(m.request_id, m.attributes),
             structlog.contextvars.bound_contextvars(
                 message_id=m.raw.message_id, request_id=m.request_id),
-            _cancel_is_failure,
+            _own_base_exceptions,
         ):
             async with asyncio.timeout(self.timeout):
                 return await spec.fn(m.payload, conn)
@@ -86,7 +86,7 @@ class Invoker:
     async def many(self, ms: list[Message], conn: Any) -> list[dict[str, Any] | None] | None:
         spec = self.registry.get(ms[0].type)
         assert spec is not None and spec.batch_fn is not None
-        with tracing.handlers(ms), _cancel_is_failure:
+        with tracing.handlers(ms), _own_base_exceptions:
             async with asyncio.timeout(self.timeout):
                 return await spec.batch_fn([(m.request_id, m.payload) for m in ms], conn)
 
