@@ -14,10 +14,17 @@ commits, or it rolls back and says what happens next:
   message that hit it, so the loop always ends;
 * a batch call raised: rerun one message at a time to find the culprit;
 * the connection is gone: ``DatabaseUnavailable`` (an outage, not the handler's failure);
+  but a connection error while the connection still answers (the handler's own connection
+  to elsewhere) is the handler's failure, and so is a connection the handler closed itself
+  (``HandlerClosedConnection``) or left busy with a query it did not wait for (the rollback
+  cannot run: the connection is closed) — the next attempt runs on another connection;
 * a handler ended the transaction itself (COMMIT or ROLLBACK: seen at once, no round trip):
   its failure, ``HandlerEndedTransaction``, before the next handler runs outside it;
+* a batch form declined (returned None): the attempt is rolled back and run again with
+  those messages one by one — it may have written before declining;
 * the transaction was found aborted after a handler returned (it caught a database error and
-  carried on; a later statement says "current transaction is aborted"): rerun one by one with
+  carried on; a later statement says "current transaction is aborted"), or the connection
+  busy (it left a statement running that it did not await): rerun one by one with
   a probe (``SELECT 1``) after each handler, so the one that left it aborted fails
   (``HandlerLeftTransactionAborted``) — not the neighbour whose statement found it, and not
   the whole batch, uncounted, again and again.
@@ -48,6 +55,17 @@ class HandlerEndedTransaction(Exception):
     committed stays committed — a handler that commits gives up exactly-once for its
     message; one that rolls back would otherwise have its neighbours marked COMPLETED without
     their effects."""
+
+
+class HandlerClosedConnection(Exception):
+    """A handler closed (or terminated) the connection it was given: its message fails, and
+    the next attempt runs on another connection."""
+
+
+#: ``Transactions.ended()``: how the attempt's transaction ended, when it did.
+ENDED = "ended"  # COMMIT/ROLLBACK on an open connection
+CLOSED = "closed"  # the connection was closed by a call in this process (a handler)
+LOST = "lost"  # the connection is gone otherwise (the server, the network): an outage
 
 
 class HandlerLeftTransactionAborted(Exception):
@@ -85,19 +103,23 @@ class Transactions(Protocol):
     def attempt(self) -> AbstractAsyncContextManager[Transaction]:
         """Begin one transaction (committed when the block ends normally)."""
 
-    def is_outage(self, exc: BaseException) -> bool:
+    async def is_outage(self, exc: BaseException) -> bool:
         """``exc``, raised in a handler, means the connection itself is gone (a handler's
-        own OSError or timeout is the handler's failure, not an outage)."""
+        own OSError or timeout is the handler's failure, not an outage; so is a connection
+        error while this connection still answers, and a connection the handler closed)."""
 
     def is_conflict(self, exc: BaseException) -> bool:
         """``exc``, raised in a handler, is a deadlock, a serialization failure or a lock not
         available: the transaction may succeed as is when run again."""
 
     def is_aborted(self, exc: BaseException) -> bool:
-        """``exc`` says the transaction was already aborted when the statement ran."""
+        """``exc`` says the transaction was already aborted when the statement ran, or the
+        connection busy with a statement an earlier handler left running."""
 
-    def ended(self) -> bool:
-        """The attempt's transaction is no longer open (a handler ended it): a local check."""
+    def ended(self) -> str | None:
+        """None while the attempt's transaction is open; else ``ENDED`` (a handler ended
+        it), ``CLOSED`` (a handler closed the connection) or ``LOST`` (the connection is gone:
+        an outage) — a local check, no round trip."""
 
 
 async def complete(
@@ -112,9 +134,10 @@ async def complete(
     reruns = 0
     singly = fifo or batch is None
     probe = False
+    declined: set[object] = set()
     while True:
         attempt = _Attempt(txns, call, None if singly else batch, fifo,
-                           may_rerun=reruns < MAX_RERUNS, probe=probe)
+                           may_rerun=reruns < MAX_RERUNS, probe=probe, declined=declined)
         step = await attempt.run(todo)
         if isinstance(step, _Committed):
             step.into(result)
@@ -129,6 +152,8 @@ async def complete(
             singly = singly or reruns >= MAX_RERUNS
         elif isinstance(step, _Probe):
             singly = probe = True  # found aborted: probe after each handler from now on
+        elif isinstance(step, _Declined):
+            declined.add(step.key)  # its writes are rolled back; these go one by one
         else:
             singly = True  # a batch call failed: find the failing message
 
@@ -168,7 +193,14 @@ class _Probe:
     """The transaction was found aborted: rerun one message at a time, probing after each."""
 
 
-_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe
+@dataclass(slots=True)
+class _Declined:
+    """A batch form declined its group: roll back, rerun with that group one by one."""
+
+    key: object
+
+
+_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe | _Declined
 
 
 class _Abort(Exception):
@@ -181,11 +213,11 @@ class _Abort(Exception):
 class _Attempt:
     """One run of the completing transaction over ``todo``; says what happened."""
 
-    __slots__ = ("batch", "call", "fifo", "may_rerun", "probe", "txns")
+    __slots__ = ("batch", "call", "declined", "fifo", "may_rerun", "probe", "txns")
 
     def __init__(
         self, txns: Transactions, call: HandlerCall, batch: Batching | None, fifo: bool,
-        may_rerun: bool, probe: bool = False,
+        may_rerun: bool, probe: bool = False, declined: set[object] | None = None,
     ) -> None:
         self.txns = txns
         self.call = call
@@ -193,6 +225,7 @@ class _Attempt:
         self.fifo = fifo
         self.may_rerun = may_rerun
         self.probe = probe
+        self.declined = declined or set()
 
     async def run(self, todo: list[Message]) -> _Step:
         try:
@@ -235,7 +268,7 @@ class _Attempt:
                 results[id(m)] = encode_result(await self.call(m, txn.conn))
                 await self._still_open(txn)
             except Exception as exc:
-                self._raise_if_outage(exc, "a handler")
+                await self._raise_if_outage(exc, "a handler")
                 if self.may_rerun and self.txns.is_conflict(exc):
                     raise _Abort(_Rerun()) from exc
                 if not self.probe and self.txns.is_aborted(exc):
@@ -256,22 +289,27 @@ class _Attempt:
         rest: list[Message] = []
         for m in live:
             key = key_of(m)
-            (rest if key is None else groups.setdefault(key, [])).append(m)
-        for group in groups.values():
+            if key is None or key in self.declined:
+                rest.append(m)
+            else:
+                groups.setdefault(key, []).append(m)
+        for key, group in groups.items():
             if len(group) == 1:
                 rest.extend(group)
                 continue
             try:
                 outs = await call_many(group, txn.conn)
-                if self.txns.ended():
+                if self.txns.ended() is not None:
                     raise HandlerEndedTransaction  # one by one finds (and blames) it
                 if outs is None:
-                    rest.extend(group)
-                    continue
+                    # Declined — perhaps after writing: roll that back, then one by one.
+                    raise _Abort(_Declined(key))
                 for m, out in zip(group, outs, strict=True):
                     results[id(m)] = encode_result(out)
+            except _Abort:
+                raise
             except Exception as exc:
-                self._raise_if_outage(exc, "a batch handler")
+                await self._raise_if_outage(exc, "a batch handler")
                 # Found aborted too: one by one, where the next finding starts the probes.
                 raise _Abort(_Rerun() if self.txns.is_conflict(exc) else _OneByOne()) from exc
         return rest
@@ -279,7 +317,12 @@ class _Attempt:
     async def _still_open(self, txn: Transaction) -> None:
         """After a handler returned: its transaction must still be open (a local check) and,
         once one was found aborted, not aborted (a probe)."""
-        if self.txns.ended():
+        how = self.txns.ended()
+        if how == CLOSED:
+            raise HandlerClosedConnection("the handler closed its database connection")
+        if how == LOST:
+            raise DatabaseUnavailable("connection lost in a handler")
+        if how is not None:
             raise HandlerEndedTransaction("the handler ended the transaction (COMMIT/ROLLBACK)")
         if self.probe:
             try:
@@ -287,14 +330,15 @@ class _Attempt:
             except Exception as exc:
                 if self.txns.is_aborted(exc):
                     raise HandlerLeftTransactionAborted(
-                        "the handler returned with the transaction aborted (it caught a "
-                        f"database error and carried on): {exc}") from exc
+                        "the handler returned with the transaction aborted or its connection "
+                        "busy (it caught a database error and carried on, or left a "
+                        f"statement running): {exc}") from exc
                 raise
 
-    def _raise_if_outage(self, exc: BaseException, where: str) -> None:
+    async def _raise_if_outage(self, exc: BaseException, where: str) -> None:
         """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
         failure; only a connection that is actually gone is a database outage."""
-        if self.txns.is_outage(exc):
+        if isinstance(exc, DatabaseUnavailable) or await self.txns.is_outage(exc):
             raise DatabaseUnavailable(f"connection lost in {where}: {exc!r}") from exc
 
 

@@ -88,12 +88,34 @@ async def _no_reset(conn: asyncpg.Connection) -> None:
     return None
 
 
+class DaemonConnection(asyncpg.Connection):  # type: ignore[misc]
+    """The pool's connections: they remember a ``close()`` or ``terminate()`` called on them
+    in this process — by a handler, through the proxy it was given — so that a handler that
+    closed its connection fails alone, while a connection the server or the network took
+    stays an outage (``_PgTransactions.ended``)."""
+
+    closed_by_call = False
+
+    async def close(self, *, timeout: float | None = None) -> None:  # noqa: ASYNC109 (its API)
+        self.closed_by_call = True
+        await super().close(timeout=timeout)
+
+    def terminate(self) -> None:
+        self.closed_by_call = True
+        super().terminate()
+
+    def daemon_connection(self) -> DaemonConnection:
+        """Itself (reached through a pool proxy, which hides the connection once detached)."""
+        return self
+
+
 async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
     return await asyncpg.create_pool(
         dsn,
         min_size=1,
         max_size=size,
         init=_init_connection,
+        connection_class=DaemonConnection,
         # asyncpg still rolls back an open transaction on release; the full RESET ALL /
         # UNLISTEN round trip is skipped (the daemon keeps no session state): one round
         # trip less per acquire.
@@ -238,9 +260,11 @@ class Store(PgOutbox):
         attempt loop of ``service.completion`` over this connection (a broken connection
         raises DatabaseUnavailable)."""
         async with connection(self.pool) as conn:
-            result = await completion.complete(
-                _PgTransactions(conn, self.worker_id, self.results), messages, call, fifo,
-                batch)
+            txns = _PgTransactions(self.pool, conn, self.worker_id, self.results)
+            try:
+                result = await completion.complete(txns, messages, call, fifo, batch)
+            finally:
+                await txns.release_replacements()
         if self.results and result.completed:
             self.outbox_written.set()
         return result
@@ -337,32 +361,73 @@ def _sequence(m: Message) -> str | None:
 
 
 class _PgTransactions:
-    """``completion.Transactions`` on one pooled connection: each attempt is one
-    transaction; asyncpg's errors read as outage / conflict here, nowhere else."""
+    """``completion.Transactions`` on a pooled connection: each attempt is one transaction;
+    asyncpg's errors read as outage / conflict here, nowhere else. A connection a handler
+    left unusable (closed, or busy with a query it left running) is replaced from the pool
+    before the next attempt."""
 
-    __slots__ = ("conn", "owner", "results")
+    __slots__ = ("conn", "owner", "pool", "raw", "replacements", "results")
 
-    def __init__(self, conn: Any, owner: str, results: bool) -> None:
-        self.conn = conn
+    def __init__(self, pool: asyncpg.Pool, conn: Any, owner: str, results: bool) -> None:
+        self.pool = pool
         self.owner = owner
         self.results = results
+        self.replacements: list[Any] = []
+        self._use(conn)
+
+    def _use(self, conn: Any) -> None:
+        self.conn = conn
+        # The connection behind the proxy (None on a pool not made by create_pool): whether
+        # a close came from a call in this process, read after the proxy is detached.
+        self.raw = getattr(conn, "daemon_connection", _no_raw)()
 
     def attempt(self) -> _PgAttempt:
         return _PgAttempt(self)
 
-    def is_outage(self, exc: BaseException) -> bool:
-        return isinstance(
+    def _gone(self) -> bool:
+        """The connection is closed (a closed pooled connection detaches its proxy, whose
+        every call then raises InterfaceError)."""
+        try:
+            return bool(self.conn.is_closed())
+        except asyncpg.InterfaceError:
+            return True
+
+    def _closed_here(self) -> bool:
+        return self.raw is not None and bool(self.raw.closed_by_call)
+
+    async def is_outage(self, exc: BaseException) -> bool:
+        if self._gone():
+            return not self._closed_here()
+        if not isinstance(
             exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError
-        ) or bool(self.conn.is_closed())
+        ):
+            return False
+        # A connection error while this connection is open: the handler's own (another
+        # connection of its own), unless a statement here finds this one gone too.
+        try:
+            await self.conn.execute("SELECT 1")
+        except Exception:
+            return self._gone() and not self._closed_here()
+        return False
 
     def is_conflict(self, exc: BaseException) -> bool:
         return isinstance(exc, RETRY_TRANSACTION)
 
     def is_aborted(self, exc: BaseException) -> bool:
-        return isinstance(exc, asyncpg.InFailedSQLTransactionError)
+        # InterfaceError on an open connection: the driver refused before sending anything —
+        # "another operation is in progress" (a handler left a statement running).
+        return isinstance(exc, asyncpg.InFailedSQLTransactionError) or (
+            isinstance(exc, asyncpg.InterfaceError) and not self._gone())
 
-    def ended(self) -> bool:
-        return not self.conn.is_in_transaction()
+    def ended(self) -> str | None:
+        try:
+            if self.conn.is_in_transaction():
+                return None
+        except asyncpg.InterfaceError:
+            pass  # detached: closed
+        if not self._gone():
+            return completion.ENDED
+        return completion.CLOSED if self._closed_here() else completion.LOST
 
     async def probe(self) -> None:
         await self.conn.execute("SELECT 1")
@@ -382,6 +447,20 @@ class _PgTransactions:
     async def clear_failures(self, request_ids: Sequence[str]) -> None:
         await self.conn.execute(Q["clear_attempts"], list(request_ids))
 
+    async def replace_if_unusable(self) -> None:
+        if self._gone():
+            conn = await self.pool.acquire()
+            self.replacements.append(conn)
+            self._use(conn)
+
+    async def release_replacements(self) -> None:
+        for conn in self.replacements:
+            await self.pool.release(conn)
+
+
+def _no_raw() -> None:
+    return None
+
 
 class _PgAttempt:
     """``async with``: one asyncpg transaction, yielding the seam itself (a small class, not
@@ -391,14 +470,26 @@ class _PgAttempt:
 
     def __init__(self, txns: _PgTransactions) -> None:
         self._txns = txns
-        self._tx = txns.conn.transaction()
+        self._tx: Any = None
 
     async def __aenter__(self) -> _PgTransactions:
+        await self._txns.replace_if_unusable()
+        self._tx = self._txns.conn.transaction()
         await self._tx.__aenter__()
         return self._txns
 
     async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
-        await self._tx.__aexit__(typ, exc, tb)
+        try:
+            await self._tx.__aexit__(typ, exc, tb)
+        except asyncpg.InterfaceError:
+            # The rollback after a handler's failure could not run: the handler closed the
+            # connection (its transaction is gone with it) or left a query running on it
+            # (closed now). The failure in flight says what happens next; the next attempt
+            # runs on another connection.
+            if exc is None:
+                raise
+            if not self._txns._gone():
+                self._txns.conn.terminate()
 
 
 def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:

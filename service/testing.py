@@ -489,7 +489,7 @@ class _FakeTransactions:
     def attempt(self) -> _FakeAttempt:
         return _FakeAttempt(self)
 
-    def is_outage(self, exc: BaseException) -> bool:
+    async def is_outage(self, exc: BaseException) -> bool:
         return False
 
     def is_conflict(self, exc: BaseException) -> bool:
@@ -498,8 +498,8 @@ class _FakeTransactions:
     def is_aborted(self, exc: BaseException) -> bool:
         return False
 
-    def ended(self) -> bool:
-        return False
+    def ended(self) -> str | None:
+        return None
 
     async def probe(self) -> None:
         return None

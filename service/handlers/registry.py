@@ -14,7 +14,7 @@ from pydantic import BaseModel
 M = TypeVar("M", bound=BaseModel)
 HandlerFn = Callable[[Any, asyncpg.Connection], Awaitable[dict[str, Any] | None]]
 #: Batch form: [(request_id, payload), …] → results in the same order, or None to decline
-#: (the messages then run one by one through the plain function).
+#: (the attempt is rolled back, then the messages run one by one through the plain function).
 BatchFn = Callable[
     [list[tuple[str, Any]], asyncpg.Connection], Awaitable[list[dict[str, Any] | None] | None]
 ]
@@ -78,8 +78,9 @@ def batch_handler(*types: str) -> Callable[[BatchFn], BatchFn]:
 
     Messages of all ``types`` given share a batch. It must have exactly the effect of
     calling the plain handlers one by one; returning None declines (e.g. two messages
-    touch the same row) and they run one by one. If it raises, the transaction is rerun
-    one message at a time to find the failing one.
+    touch the same row): the transaction is rolled back — what it wrote is undone — and
+    they run one by one. If it raises, the transaction is rerun one message at a time to
+    find the failing one.
     """
 
     def register(fn: BatchFn) -> BatchFn:

@@ -618,8 +618,9 @@ async def test_batch_form_edge_cases(pool: asyncpg.Pool, db: asyncpg.Connection)
         if mode == "deadlock" and not behaviour.pop("deadlocked", False):
             behaviour["deadlocked"] = True
             raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
-        if mode == "gone":
-            raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+        if mode == "gone":  # the server ends the session: the next statement finds it gone
+            assert await db.fetchval("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+            await conn.execute("SELECT 1")
         for m in ms:
             await ok_handler(m, conn)
         return [{"many": True}] * len(ms)
@@ -635,8 +636,8 @@ async def test_batch_form_edge_cases(pool: asyncpg.Pool, db: asyncpg.Connection)
     assert sorted(calls) == ["many:y1,y2", "one:solo1", "one:solo2", "one:x1"]
     assert out == {"solo1": {"one": True}, "solo2": {"one": True}, "x1": {"one": True},
                    "y1": {"many": True}, "y2": {"many": True}}
-    # A declined group runs one by one in the same transaction; the next group still
-    # goes as a batch (no rerun of the batch that worked).
+    # A declined group is rolled back (it may have written) and runs one by one in the
+    # next attempt; the other group still goes as a batch.
     behaviour["d"] = "decline"
     out = await run([msg("d1"), msg("d2"), msg("z1"), msg("z2")])
     assert calls == ["many:d1,d2", "many:z1,z2", "one:d1", "one:d2"]
@@ -821,17 +822,36 @@ async def test_claim_stores_the_payload_and_sent_at_and_answers_per_request(
 
 
 async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
-    pool: asyncpg.Pool,
+    pool: asyncpg.Pool, db: asyncpg.Connection
 ) -> None:
-    """The one-by-one path as the batch form's above: the driver's 'connection gone' in a
-    handler is DatabaseUnavailable (the batch is given back, nobody's failure); a handler's
-    own OSError is that message's failure."""
+    """The one-by-one path as the batch form's above: the server ending the session under a
+    handler — seen by its statement, or only after it returned — is DatabaseUnavailable (the
+    batch is given back, nobody's failure); a handler's own OSError is that message's
+    failure (and so is a connection error of its own: tests/integration/
+    test_handler_boundary.py)."""
     from service.errors import DatabaseUnavailable
 
     a = await registered(pool, "w-a")
 
+    async def end_session(conn: asyncpg.Connection) -> None:
+        pid = conn.get_server_pid()
+        assert await db.fetchval("SELECT pg_terminate_backend($1)", pid)
+        while await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid):
+            await asyncio.sleep(0.01)
+
     async def gone(m: Message, conn: asyncpg.Connection) -> None:
-        raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+        await end_session(conn)
+        await conn.execute("SELECT 1")
+
+    async def gone_while_away(m: Message, conn: asyncpg.Connection) -> None:
+        await end_session(conn)  # and returns: the next statement is the daemon's own
+        for _ in range(500):  # until the driver has read the end of the stream
+            try:
+                if conn.is_closed():
+                    break
+            except asyncpg.InterfaceError:
+                break  # closed and handed back: the proxy is detached
+            await asyncio.sleep(0.01)
 
     async def own_http_call(m: Message, conn: asyncpg.Connection) -> None:
         raise OSError("upstream unreachable")
@@ -839,6 +859,8 @@ async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
     await a.claim([msg("r1")])
     with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a handler: "):
         await a.apply([msg("r1")], gone)
+    with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a handler: "):
+        await a.apply([msg("r1")], gone_while_away)
     res = await a.apply([msg("r1")], own_http_call)
     assert [(m.request_id, type(e).__name__) for m, e in res.failed] == [("r1", "OSError")]
 
