@@ -118,7 +118,8 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
         connection_class=DaemonConnection,
         # asyncpg still rolls back an open transaction on release; the full RESET ALL /
         # UNLISTEN round trip is skipped (the daemon keeps no session state): one round
-        # trip less per acquire.
+        # trip less per acquire. Handlers' SETs are reset after each committed batch
+        # (_PgTransactions.finish).
         reset=_no_reset,
         command_timeout=60,
         # Statements are prepared per connection and reused (asyncpg's statement cache).
@@ -261,10 +262,11 @@ class Store(PgOutbox):
         raises DatabaseUnavailable)."""
         async with connection(self.pool) as conn:
             txns = _PgTransactions(self.pool, conn, self.worker_id, self.results)
+            result = None
             try:
                 result = await completion.complete(txns, messages, call, fifo, batch)
             finally:
-                await txns.release_replacements()
+                await txns.finish(committed=result is not None)
         if self.results and result.completed:
             self.outbox_written.set()
         return result
@@ -453,7 +455,17 @@ class _PgTransactions:
             self.replacements.append(conn)
             self._use(conn)
 
-    async def release_replacements(self) -> None:
+    async def finish(self, committed: bool) -> None:
+        """After the attempts: a session setting a handler made (``SET``, not ``SET LOCAL``)
+        outlives a commit — reset them all, so the next batch's handlers and the store's own
+        statements never run under it (a failed reset closes the connection instead: the
+        commit stands); then give back the connections taken to replace broken ones."""
+        if committed:
+            try:
+                await self.conn.execute("RESET ALL")
+            except Exception:
+                if not self._gone():
+                    self.conn.terminate()
         for conn in self.replacements:
             await self.pool.release(conn)
 

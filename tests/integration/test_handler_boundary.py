@@ -258,12 +258,6 @@ async def test_a_payload_with_an_escaped_backslash_u0000_text_completes(
     assert await effects(fx, "escaped") == 1
 
 
-# -- rules README states for handler authors, which the daemon neither enforces nor survives --
-
-
-@pytest.mark.xfail(strict=True, reason="session state a handler sets (SET, not SET LOCAL) stays "
-                   "on the pooled connection (no reset, store.py _no_reset; README asks authors "
-                   "not to): the next batch's unrelated handler fails under it")
 async def test_a_session_setting_does_not_leak_into_the_next_batch(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
