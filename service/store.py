@@ -379,9 +379,9 @@ class _PgTransactions:
 
     def _use(self, conn: Any) -> None:
         self.conn = conn
-        # The connection behind the proxy (None on a pool not made by create_pool): whether
-        # a close came from a call in this process, read after the proxy is detached.
-        self.raw = getattr(conn, "daemon_connection", _no_raw)()
+        # The connection behind the proxy (a DaemonConnection: create_pool): whether a close
+        # came from a call in this process, read after the proxy is detached.
+        self.raw = conn.daemon_connection()
 
     def attempt(self) -> _PgAttempt:
         return _PgAttempt(self)
@@ -395,7 +395,7 @@ class _PgTransactions:
             return True
 
     def _closed_here(self) -> bool:
-        return self.raw is not None and bool(self.raw.closed_by_call)
+        return bool(self.raw.closed_by_call)
 
     async def is_outage(self, exc: BaseException) -> bool:
         if self._gone():
@@ -468,10 +468,6 @@ class _PgTransactions:
                     self.conn.terminate()
         for conn in self.replacements:
             await self.pool.release(conn)
-
-
-def _no_raw() -> None:
-    return None
 
 
 class _PgAttempt:

@@ -6,6 +6,7 @@ with redeliveries made by hand."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -166,7 +167,8 @@ async def test_a_handler_that_swallows_a_database_error_fails_alone(
         "HandlerLeftTransactionAborted: the handler returned with the transaction aborted")
 
 
-@pytest.mark.parametrize("breaks", ["closes", "leaves_a_query_running", "own_connection_error",
+@pytest.mark.parametrize("breaks", ["closes", "terminates", "leaves_a_query_running",
+                                    "own_connection_error", "own_connection_error_when_aborted",
                                     "returns_with_a_query_running"])
 async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limit(
     breaks: str, database_url: str, fx: asyncpg.Connection
@@ -175,7 +177,13 @@ async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limi
         if breaks == "closes":
             await conn.close()
             return
-        if breaks == "own_connection_error":
+        if breaks == "terminates":
+            conn.terminate()
+            return
+        if breaks.startswith("own_connection_error"):
+            if breaks.endswith("_when_aborted"):  # the daemon's check finds it aborted, not gone
+                with contextlib.suppress(asyncpg.DivisionByZeroError):
+                    await conn.execute("SELECT 1/0")
             # As its own connection to another database (a lookup service) would raise.
             raise asyncpg.ConnectionDoesNotExistError("the lookup database went away")
         asyncio.ensure_future(conn.execute("SELECT pg_sleep(0.3)"))
@@ -197,6 +205,9 @@ async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limi
     error = await fx.fetchval("SELECT error FROM dead_letters")
     assert error.startswith({
         "closes": "HandlerClosedConnection: the handler closed its database connection",
+        "terminates": "HandlerClosedConnection: the handler closed its database connection",
+        "own_connection_error_when_aborted":
+            "ConnectionDoesNotExistError: the lookup database went away",
         "leaves_a_query_running": "ValueError: left a query running",
         "own_connection_error": "ConnectionDoesNotExistError: the lookup database went away",
         "returns_with_a_query_running": "HandlerLeftTransactionAborted: the handler returned "
@@ -261,10 +272,16 @@ async def test_a_payload_with_an_escaped_backslash_u0000_text_completes(
 async def test_a_session_setting_does_not_leak_into_the_next_batch(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
+    """Reset, not thrown away: the next batch runs on the same backend (one pooled
+    connection), and the setting is gone."""
+    backends: list[int] = []
+
     async def sets(_p: P, conn: Any) -> None:
+        backends.append(conn.get_server_pid())
         await conn.execute("SET statement_timeout = '50ms'")  # meant as SET LOCAL
 
     async def slow(_p: P, conn: Any) -> dict[str, Any]:
+        backends.append(conn.get_server_pid())
         await conn.execute("SELECT pg_sleep(0.2)")
         return {"statement_timeout": await conn.fetchval("SHOW statement_timeout")}
 
@@ -275,6 +292,7 @@ async def test_a_session_setting_does_not_leak_into_the_next_batch(
         await rig.round()
     assert await failures(fx, "slow") is None
     assert await status(fx, "slow") == "COMPLETED"
+    assert len(backends) == 2 and backends[0] == backends[1], backends
 
 
 async def test_a_batch_form_that_declines_after_writing_is_not_applied_twice(
