@@ -866,6 +866,40 @@ async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
     assert [(m.request_id, type(e).__name__) for m, e in res.failed] == [("r1", "OSError")]
 
 
+async def test_a_connection_error_the_driver_has_not_seen_yet_is_an_outage(
+    pool: asyncpg.Pool, database_url: str
+) -> None:
+    """The server ended the handler's session and the handler raises the driver's
+    connection error before the driver has read the end of the stream (the event loop has
+    not run since): the connection still looks open, so the daemon's one statement on it
+    decides — it finds the connection gone: an outage, not the handler's failure (a
+    connection error while the connection answers is the handler's own: test_handler_boundary)."""
+    import subprocess
+
+    from service.errors import DatabaseUnavailable
+    from service.kit import _pg_bin
+
+    a = await registered(pool, "w-a")
+
+    def psql(sql: str) -> str:
+        # Blocking on purpose: while it runs, the event loop cannot, nor the driver notice.
+        return subprocess.run([_pg_bin("psql"), database_url, "-qAtc", sql], check=True,
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+
+    async def ended_unseen(m: Message, conn: asyncpg.Connection) -> None:
+        pid = conn.get_server_pid()
+        assert psql(f"SELECT pg_terminate_backend({pid})") == "t"
+        for _ in range(300):
+            if psql(f"SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}") == "0":
+                break
+        assert not conn.is_closed()  # the driver has not seen it yet
+        raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+
+    await a.claim([msg("r1")])
+    with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a handler: "):
+        await a.apply([msg("r1")], ended_unseen)
+
+
 async def test_a_session_the_server_ended_in_a_handler_is_an_outage(
     pool: asyncpg.Pool, db: asyncpg.Connection
 ) -> None:
