@@ -321,7 +321,8 @@ class _Attempt:
         if how == CLOSED:
             raise HandlerClosedConnection("the handler closed its database connection")
         if how == LOST:
-            raise DatabaseUnavailable("connection lost in a handler")
+            raise DatabaseUnavailable("the connection closed while the handler ran, and not "
+                                      "by a call in this process (the server or the network)")
         if how is not None:
             raise HandlerEndedTransaction("the handler ended the transaction (COMMIT/ROLLBACK)")
         if self.probe:
