@@ -215,6 +215,29 @@ async def test_a_handler_that_breaks_its_connection_is_dead_lettered_at_the_limi
     }[breaks]), error
 
 
+async def test_a_batch_that_goes_well_pays_for_no_probe(
+    database_url: str, fx: asyncpg.Connection
+) -> None:
+    """The probe (``SELECT 1`` after each handler) only runs once a transaction was found
+    aborted: a batch that goes well makes no statement beyond its own."""
+    statements: list[str] = []
+
+    def log(query: Any) -> None:
+        statements.append(query.query)
+
+    async def logged(p: P, conn: Any) -> dict[str, Any]:
+        conn.add_query_logger(log)  # a set: added once
+        return await well_behaved(p, conn)
+
+    async with Rig(database_url, registry(ok=logged), pool_size=1) as rig:
+        for rid in ("a", "b", "c"):
+            rig.queue.send(body(rid, "ok"))
+        await rig.round()
+        await asyncio.sleep(0.1)  # query loggers run from the event loop (call_soon)
+    assert [await status(fx, r) for r in ("a", "b", "c")] == ["COMPLETED"] * 3
+    assert statements and "SELECT 1" not in statements, statements
+
+
 class Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("this exception cannot be printed")

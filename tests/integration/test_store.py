@@ -868,8 +868,9 @@ async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
     assert [(m.request_id, type(e).__name__) for m, e in res.failed] == [("r1", "OSError")]
 
 
+@pytest.mark.parametrize("form", ["plain", "batch"])
 async def test_a_connection_error_the_driver_has_not_seen_yet_is_an_outage(
-    pool: asyncpg.Pool, database_url: str
+    form: str, pool: asyncpg.Pool, database_url: str
 ) -> None:
     """The server ended the handler's session and the handler raises the driver's
     connection error before the driver has read the end of the stream (the event loop has
@@ -897,9 +898,17 @@ async def test_a_connection_error_the_driver_has_not_seen_yet_is_an_outage(
         assert not conn.is_closed()  # the driver has not seen it yet
         raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
 
-    await a.claim([msg("r1")])
-    with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a handler: "):
-        await a.apply([msg("r1")], ended_unseen)
+    async def ended_unseen_many(ms: list[Message], conn: asyncpg.Connection) -> Any:
+        await ended_unseen(ms[0], conn)
+
+    batch = [msg("r1"), msg("r2")]
+    await a.claim(batch)
+    if form == "plain":
+        with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a handler: "):
+            await a.apply(batch, ended_unseen)
+    else:
+        with pytest.raises(DatabaseUnavailable, match=r"^connection lost in a batch handler: "):
+            await a.apply(batch, ended_unseen, batch=(lambda m: "all", ended_unseen_many))
 
 
 async def test_a_session_the_server_ended_in_a_handler_is_an_outage(
