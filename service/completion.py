@@ -33,7 +33,7 @@ commits, or it rolls back and says what happens next:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -217,7 +217,7 @@ class _Attempt:
 
     def __init__(
         self, txns: Transactions, call: HandlerCall, batch: Batching | None, fifo: bool,
-        may_rerun: bool, probe: bool = False, declined: set[object] | None = None,
+        may_rerun: bool, probe: bool = False, declined: Collection[object] = (),
     ) -> None:
         self.txns = txns
         self.call = call
@@ -225,7 +225,7 @@ class _Attempt:
         self.fifo = fifo
         self.may_rerun = may_rerun
         self.probe = probe
-        self.declined = declined or set()
+        self.declined = declined
 
     async def run(self, todo: list[Message]) -> _Step:
         try:
@@ -339,7 +339,7 @@ class _Attempt:
     async def _raise_if_outage(self, exc: BaseException, where: str) -> None:
         """A handler's OSError or TimeoutError (its own HTTP call, say) is the handler's
         failure; only a connection that is actually gone is a database outage."""
-        if isinstance(exc, DatabaseUnavailable) or await self.txns.is_outage(exc):
+        if await self.txns.is_outage(exc):
             raise DatabaseUnavailable(f"connection lost in {where}: {exc!r}") from exc
 
 

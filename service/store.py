@@ -407,7 +407,7 @@ class _PgTransactions:
         # A connection error while this connection is open: the handler's own (another
         # connection of its own), unless a statement here finds this one gone too.
         try:
-            await self.conn.execute("SELECT 1")
+            await self.probe()
         except Exception:
             return self._gone() and not self._closed_here()
         return False

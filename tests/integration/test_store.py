@@ -836,8 +836,11 @@ async def test_a_lost_connection_in_a_handler_is_an_outage_not_its_failure(
     async def end_session(conn: asyncpg.Connection) -> None:
         pid = conn.get_server_pid()
         assert await db.fetchval("SELECT pg_terminate_backend($1)", pid)
-        while await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid):
+        for _ in range(1000):  # bounded: 10 s at most
+            if not await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid):
+                return
             await asyncio.sleep(0.01)
+        raise AssertionError(f"backend {pid} still there 10 s after pg_terminate_backend")
 
     async def gone(m: Message, conn: asyncpg.Connection) -> None:
         await end_session(conn)
