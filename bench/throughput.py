@@ -30,7 +30,8 @@ at a steady ~10 % of the others, 5,000 messages measure it as well as 20,000 do)
 (adds a ceiling + daemon pair through tests/faultproxy.FaultProxy injecting that delay on
 every SQS request), SOAK (seconds of steady load at SOAK_RATE msg/s, default 500;
 reports RSS at start and end), PROFILE=1 (one more daemon drain under ``py-spy record``,
-raw collapsed stacks + a summary), PHASES (default ``ceiling,naive,daemon``; also
+raw collapsed stacks + a summary), HOT_ENTITIES=K (every message writes one of K entities
+instead of its own: batches with several writes of one entity), PHASES (default ``ceiling,naive,daemon``; also
 ``compare``, ``results``, ``peer``). INGEST_*
 variables set in the environment reach the daemon (and the ceiling's concurrency), so
 settings can be compared: ``INGEST_POLLERS=8 make bench``.
@@ -159,14 +160,20 @@ def daemon_concurrency() -> tuple[int, int]:
 # -- message bodies --------------------------------------------------------------------
 
 
+HOT_ENTITIES = int(os.environ.get("HOT_ENTITIES", "0"))
+
+
 def make_body(run: str, i: int) -> str:
-    """~300 bytes: an entity.upsert of a distinct entity (no row contention)."""
+    """~300 bytes: an entity.upsert of a distinct entity (no row contention) — or, with
+    HOT_ENTITIES=K, of one of K entities (message i writes entity i mod K at version i + 1),
+    so batches hold several writes of one entity."""
+    entity = i % HOT_ENTITIES if HOT_ENTITIES else i
     doc = {
         "request_id": f"{run}-{i:08d}",
         "type": "entity.upsert",
         "payload": {
-            "entity_id": f"ent-{run}-{i:08d}",
-            "version": 1,
+            "entity_id": f"ent-{run}-{entity:08d}",
+            "version": i + 1 if HOT_ENTITIES else 1,
             "data": {"name": f"customer {i}", "email": f"user{i}@example.com",
                      "plan": "pro", "seats": i % 50, "tags": ["bench", "throughput"],
                      "note": "x" * 88},

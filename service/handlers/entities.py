@@ -75,22 +75,36 @@ SELECT coalesce(array_agg(entity_id), '{}') FROM up
 @batch_handler("entity.upsert", "entity.delete")
 async def entities_many(
     items: list[tuple[str, EntityUpsert | EntityDelete]], conn: asyncpg.Connection
-) -> list[dict[str, Any] | None] | None:
-    """One statement for a batch of upserts and deletes touching distinct entities.
+) -> list[dict[str, Any] | None]:
+    """The plain handlers' effect and results for a batch of upserts and deletes, one
+    statement per round: round k writes each entity's k-th message of the batch (ON
+    CONFLICT cannot touch a row twice in one statement), so an entity written by several
+    messages sees them in batch order, as one by one would — never a decline."""
+    results: list[dict[str, Any] | None] = [None] * len(items)  # each set by its round
+    for positions in _rounds([p.entity_id for _, p in items]):
+        todo = [items[i] for i in positions]
+        applied = set(await conn.fetchval(
+            _UPSERT_MANY,
+            [p.entity_id for _, p in todo],
+            [p.version for _, p in todo],
+            [isinstance(p, EntityDelete) for _, p in todo],
+            [orjson.dumps(p.data).decode() if isinstance(p, EntityUpsert) else None
+             for _, p in todo],
+            [rid for rid, _ in todo],
+        ))
+        for i in positions:
+            results[i] = {"applied": items[i][1].entity_id in applied}
+    return results
 
-    Two writes to the same entity in one batch decline (one by one keeps the exact
-    "applied" result of each, and ON CONFLICT cannot touch a row twice).
-    """
-    ids = [p.entity_id for _, p in items]
-    if len(set(ids)) != len(ids):
-        return None
-    applied = set(await conn.fetchval(
-        _UPSERT_MANY,
-        ids,
-        [p.version for _, p in items],
-        [isinstance(p, EntityDelete) for _, p in items],
-        [orjson.dumps(p.data).decode() if isinstance(p, EntityUpsert) else None
-         for _, p in items],
-        [rid for rid, _ in items],
-    ))
-    return [{"applied": p.entity_id in applied} for _, p in items]
+
+def _rounds(keys: list[str]) -> list[list[int]]:
+    """Positions of ``keys`` by round: round k holds each key's k-th occurrence, in order."""
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = []
+    for i, key in enumerate(keys):
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(i)
+    return rounds

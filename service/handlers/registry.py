@@ -77,8 +77,8 @@ def batch_handler(*types: str) -> Callable[[BatchFn], BatchFn]:
     """Optional batch form of already registered handlers (one call for many messages).
 
     Messages of all ``types`` given share a batch. It must have exactly the effect of
-    calling the plain handlers one by one; returning None declines (e.g. two messages
-    touch the same row): the transaction is rolled back — what it wrote is undone — and
+    calling the plain handlers one by one; returning None declines (say, for a case it
+    does not handle): the transaction is rolled back — what it wrote is undone — and
     they run one by one. If it raises, the transaction is rerun one message at a time to
     find the failing one.
     """

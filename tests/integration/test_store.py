@@ -410,9 +410,20 @@ async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyn
             m(prefix + "u2", "entity.upsert",
               {"entity_id": prefix + "y", "version": 1, "data": {"v": 1}}),
             m(prefix + "d1", "entity.delete", {"entity_id": prefix + "z", "version": 2}),
+            # Entities written twice or more in one batch: in batch order, as one by one.
+            m(prefix + "u3", "entity.upsert",
+              {"entity_id": prefix + "y", "version": 3, "data": {"v": 3}}),
+            m(prefix + "u4", "entity.upsert",
+              {"entity_id": prefix + "y", "version": 2, "data": {"v": 2}}),  # stale by now
+            m(prefix + "d2", "entity.delete", {"entity_id": prefix + "x", "version": 6}),
+            m(prefix + "u5", "entity.upsert",
+              {"entity_id": prefix + "x", "version": 7, "data": {"v": 7}}),  # back again
         ]
         await a.claim(batch)
         res = await a.apply(batch, invoker.one, batch=invoker.batching if batched else None)
+        if batched:
+            # One batch call, no decline, nothing run one by one.
+            assert (invoker.declined, invoker.ones) == (0, 0)
         results = {m.request_id.removeprefix(prefix): out for m, out in res.completed}
         rows = {r["entity_id"].removeprefix(prefix): (
                     r["version"], r["deleted"], json.loads(r["data"]) if r["data"] else None,
@@ -425,9 +436,11 @@ async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyn
     many_results, many_rows, many_calls = await run("many-", batched=True)
     assert (one_calls, many_calls) == (0, 1)  # each path really taken
     assert many_results == one_results == {
-        "u1": {"applied": False}, "u2": {"applied": True}, "d1": {"applied": True}}
-    assert many_rows == one_rows == {"x": (5, False, {"old": 1}, "seed"),
-                                     "y": (1, False, {"v": 1}, "u2"), "z": (2, True, None, "d1")}
+        "u1": {"applied": False}, "u2": {"applied": True}, "d1": {"applied": True},
+        "u3": {"applied": True}, "u4": {"applied": False}, "d2": {"applied": True},
+        "u5": {"applied": True}}
+    assert many_rows == one_rows == {"x": (7, False, {"v": 7}, "u5"),
+                                     "y": (3, False, {"v": 3}, "u3"), "z": (2, True, None, "d1")}
 
 
 async def test_fifo_failure_holds_back_the_rest_of_its_group(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
@@ -495,13 +508,20 @@ async def test_a_conflict_that_keeps_coming_back_blames_its_message(pool: asyncp
 
 
 class CountingInvoker(Invoker):
-    """The worker's own handler plumbing, counting its batch calls."""
+    """The worker's own handler plumbing, counting its batch calls, their declines and
+    its one-by-one calls."""
 
-    batched = 0
+    batched = declined = ones = 0
 
     async def many(self, ms: list[Message], conn: Any) -> Any:
         self.batched += 1
-        return await super().many(ms, conn)
+        out = await super().many(ms, conn)
+        self.declined += out is None
+        return out
+
+    async def one(self, m: Message, conn: Any) -> Any:
+        self.ones += 1
+        return await super().one(m, conn)
 
 
 async def test_worker_lifecycle_heartbeat_stop_and_own_leaks(
