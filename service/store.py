@@ -108,6 +108,12 @@ class DaemonConnection(asyncpg.Connection):  # type: ignore[misc]
         """Itself (reached through a pool proxy, which hides the connection once detached)."""
         return self
 
+    def get_reset_query(self) -> str:
+        """asyncpg's reset (session advisory locks, cursors, LISTEN, RESET ALL), after the
+        role: RESET ALL leaves a SET ROLE or SET SESSION AUTHORIZATION as it is; this takes
+        the connection back to its own user and the role it connected with (the DSN's)."""
+        return "SET SESSION AUTHORIZATION DEFAULT;\n" + super().get_reset_query()
+
 
 async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
     return await asyncpg.create_pool(
@@ -116,9 +122,9 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
         max_size=size,
         init=_init_connection,
         connection_class=DaemonConnection,
-        # asyncpg still rolls back an open transaction on release; the full RESET ALL /
-        # UNLISTEN round trip is skipped (the daemon keeps no session state): one round
-        # trip less per acquire. Handlers' SETs are reset after each committed batch
+        # asyncpg still rolls back an open transaction on release; its full reset round
+        # trip is skipped (the daemon keeps no session state): one round trip less per
+        # acquire. What handlers leave is reset after each committed batch
         # (_PgTransactions.finish).
         reset=_no_reset,
         command_timeout=60,
@@ -456,13 +462,15 @@ class _PgTransactions:
             self._use(conn)
 
     async def finish(self, committed: bool) -> None:
-        """After the attempts: a session setting a handler made (``SET``, not ``SET LOCAL``)
-        outlives a commit — reset them all, so the next batch's handlers and the store's own
-        statements never run under it (a failed reset closes the connection instead: the
-        commit stands); then give back the connections taken to replace broken ones."""
+        """After the attempts: session state a handler left (a ``SET`` meant as ``SET
+        LOCAL``, ``SET ROLE``, a session advisory lock, ``LISTEN``) outlives a commit — reset
+        it (``DaemonConnection.get_reset_query``: one round trip), so the next batch's
+        handlers and the store's own statements never run under it (a failed reset closes
+        the connection instead: the commit stands); then give back the connections taken to
+        replace broken ones."""
         if committed:
             try:
-                await self.conn.execute("RESET ALL")
+                await self.conn.reset()
             except Exception:
                 if not self._gone():
                     self.conn.terminate()

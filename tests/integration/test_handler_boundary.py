@@ -318,6 +318,58 @@ async def test_a_session_setting_does_not_leak_into_the_next_batch(
     assert len(backends) == 2 and backends[0] == backends[1], backends
 
 
+async def _role(fx: asyncpg.Connection, name: str) -> str:
+    """A role the test's user may SET ROLE to, with every privilege the store needs."""
+    me = await fx.fetchval("SELECT current_user")
+    await fx.execute(f'CREATE ROLE "{name}"; GRANT "{name}" TO "{me}";'
+                     f' GRANT ALL ON ALL TABLES IN SCHEMA public TO "{name}";'
+                     f' GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO "{name}"')
+    return name
+
+
+@pytest.mark.parametrize("dsn_role", [False, True], ids=["own_user", "role_in_the_dsn"])
+async def test_a_role_an_advisory_lock_and_a_listen_do_not_leak_into_the_next_batch(
+    database_url: str, fx: asyncpg.Connection, dsn_role: bool
+) -> None:
+    """What RESET ALL leaves (SET ROLE, session advisory locks, LISTEN) is reset too: the next
+    batch, on the same backend, runs as the role the connection was made with (the store's
+    statements with it), holds no lock and listens to nothing."""
+    db = await fx.fetchval("SELECT current_database()")
+    roles = [await _role(fx, f"r_{db}")]
+    expected = await fx.fetchval("SELECT current_user")
+    if dsn_role:  # the connection's own role, given in the DSN: what RESET ROLE returns to
+        roles.append(expected := await _role(fx, f"base_{db}"))
+        database_url += f"?role={expected}"
+    backends: list[int] = []
+
+    async def becomes(_p: P, conn: Any) -> None:
+        backends.append(conn.get_server_pid())
+        await conn.execute(f'SET ROLE "{roles[0]}"')  # the rest of its batch runs as that role
+        await conn.execute("SELECT pg_advisory_lock(4242); LISTEN boundary_channel")
+
+    async def reads(_p: P, conn: Any) -> dict[str, Any]:
+        backends.append(conn.get_server_pid())
+        row = await conn.fetchrow(
+            "SELECT current_user AS user, (SELECT count(*) FROM pg_locks WHERE"
+            " locktype = 'advisory' AND pid = pg_backend_pid()) AS locks,"
+            " (SELECT count(*) FROM pg_listening_channels()) AS listening")
+        return dict(row)
+
+    try:
+        async with Rig(database_url, registry(becomes=becomes, reads=reads), pool_size=1) as rig:
+            rig.queue.send(body("becomes", "becomes"))
+            await rig.round()
+            rig.queue.send(body("reads", "reads"))  # another batch, on the same connection
+            await rig.round()
+    finally:
+        for role in roles:
+            await fx.execute(f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')
+    assert await status(fx, "becomes") == "COMPLETED"
+    result = await fx.fetchval("SELECT result FROM modifications WHERE request_id = 'reads'")
+    assert json.loads(result) == {"user": expected, "locks": 0, "listening": 0}
+    assert len(backends) == 2 and backends[0] == backends[1], backends
+
+
 async def test_a_batch_form_that_declines_after_writing_is_not_applied_twice(
     database_url: str, fx: asyncpg.Connection
 ) -> None:
