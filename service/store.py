@@ -112,7 +112,7 @@ class DaemonConnection(asyncpg.Connection):  # type: ignore[misc]
         """asyncpg's reset (session advisory locks, cursors, LISTEN, RESET ALL), after the
         role: RESET ALL leaves a SET ROLE or SET SESSION AUTHORIZATION as it is; this takes
         the connection back to its own user and the role it connected with (the DSN's)."""
-        return "SET SESSION AUTHORIZATION DEFAULT;\n" + super().get_reset_query()
+        return "SET SESSION AUTHORIZATION DEFAULT;\n" + str(super().get_reset_query())
 
 
 async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
