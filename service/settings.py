@@ -32,6 +32,15 @@ ENV_PREFIX = "INGEST_"
 CONTROL_POOL_SIZE = 2
 # SQS refuses a visibility timeout beyond 12 hours.
 SQS_MAX_VISIBILITY = 43_200
+#: Shortest INGEST_WORKER_LEASE: a worker heartbeats every lease / 3, so at 3 s it beats
+#: every second and counts as dead only when a beat is 2 s late — a database round trip
+#: under load, a control connection busy with a GC pass, a handler holding the event loop.
+#: Shorter, another replica's GC collects the claims of a live worker (measured: at 0.15 s
+#: in 0.17 s; at 0.3 s after one 0.4 s event-loop stall); the fence keeps them from being
+#: applied twice, but the batch's work is lost and comes back as a false orphan.
+MIN_WORKER_LEASE = 3.0
+#: Longest lease PostgreSQL can subtract from now() (GC's cutoff): a century, like retention.
+MAX_WORKER_LEASE = 36_500 * 86_400.0
 #: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
 #: retention, must stay a timestamp (and ``inf`` is no interval). A century.
 MAX_RETENTION_DAYS = 36_500
@@ -113,7 +122,8 @@ class Settings(BaseSettings):
             (0 = no limit); without it a hung handler holds its batch for up to 12 h.
         worker_name: stable name of this replica (pod name); when set, claims of a
             dead previous incarnation with the same name are released at startup.
-        worker_lease: seconds without heartbeat after which a worker is dead.
+        worker_lease: seconds without heartbeat after which a worker is dead (heartbeat
+            every lease / 3; at least ``MIN_WORKER_LEASE``, 3 s).
         gc_interval: seconds between orphan-GC passes.
         retry_base_seconds / retry_max_seconds: exponential backoff of transient failures.
         contention_delay: visibility given to a message another live owner holds.
@@ -176,7 +186,8 @@ class Settings(BaseSettings):
     handlers: str = ""
     handler_timeout: float = Field(600.0, ge=0)
     worker_name: str = ""
-    worker_lease: float = Field(30.0, gt=0)
+    worker_lease: float = Field(30.0, ge=MIN_WORKER_LEASE, le=MAX_WORKER_LEASE,
+                                allow_inf_nan=False)
     gc_interval: float = Field(10.0, gt=0)
     retry_base_seconds: float = Field(2.0, ge=0)
     retry_max_seconds: float = Field(900.0, ge=0, le=SQS_MAX_VISIBILITY)
