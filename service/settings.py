@@ -32,6 +32,12 @@ ENV_PREFIX = "INGEST_"
 CONTROL_POOL_SIZE = 2
 # SQS refuses a visibility timeout beyond 12 hours.
 SQS_MAX_VISIBILITY = 43_200
+#: Shortest visibility timeout the daemon works with (app.py already replaced a queue's own
+#: 0 or 1 by 30): the heartbeat extends every half timeout, so at 1 s it would make two
+#: ChangeMessageVisibility calls a second per batch and lose the message to another
+#: receive whenever the batch's start plus one call took over half a second (at 0 it would
+#: not sleep at all). INGEST_VISIBILITY_TIMEOUT=1 is refused (exit 2) rather than replaced.
+MIN_VISIBILITY_TIMEOUT = 2
 #: Shortest INGEST_WORKER_LEASE: a worker heartbeats every lease / 3, so at 3 s it beats
 #: every second and counts as dead only when a beat is 2 s late — a database round trip
 #: under load, a control connection busy with a GC pass, a handler holding the event loop.
@@ -81,6 +87,13 @@ def _s3_owner(v: str | None) -> str | None:
     return v or None
 
 
+def _visibility(v: int) -> int:
+    if 0 < v < MIN_VISIBILITY_TIMEOUT:
+        raise ValueError(f"must be 0 (the queue's own) or at least {MIN_VISIBILITY_TIMEOUT}: "
+                         "the heartbeat extends every half timeout")
+    return v
+
+
 def _lower(v: object) -> object:
     return v.lower() if isinstance(v, str) else v
 
@@ -106,7 +119,8 @@ class Settings(BaseSettings):
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
         http_host: address the HTTP server binds.
         visibility_timeout: seconds a received message stays hidden; 0 = use the
-            queue's own ``VisibilityTimeout`` attribute, read at startup.
+            queue's own ``VisibilityTimeout`` attribute, read at startup; else at least
+            ``MIN_VISIBILITY_TIMEOUT`` (2).
         max_receive_count: handler attempts before a message is dead-lettered; lowered to
             the queue's RedrivePolicy maxReceiveCount when that is smaller (service.redrive).
         pollers: concurrent long-poll loops.
@@ -176,7 +190,8 @@ class Settings(BaseSettings):
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
     http_host: str = "0.0.0.0"
-    visibility_timeout: int = Field(0, ge=0, le=SQS_MAX_VISIBILITY)
+    visibility_timeout: Annotated[int, AfterValidator(_visibility)] = Field(
+        0, ge=0, le=SQS_MAX_VISIBILITY)
     max_receive_count: int = Field(5, ge=1, le=1000)
     pollers: int = Field(8, ge=1, le=64)
     max_inflight_batches: int = Field(0, ge=0, le=512)
