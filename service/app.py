@@ -22,7 +22,7 @@ from service.pgerrors import CONNECTION_ERRORS
 from service.results import Publisher
 from service.retention import RetentionRefused, check_retention, queue_retention
 from service.retry import Backoff
-from service.settings import CONTROL_POOL_SIZE, Settings
+from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings
 from service.sinks import results_sink
 from service.sqs import SqsQueue, sqs_client
 from service.store import Store, create_pool
@@ -140,8 +140,9 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
 
 def _visibility_timeout(settings: Settings, attrs: dict[str, str]) -> int:
     vt = settings.visibility_timeout or int(attrs.get("VisibilityTimeout", "30"))
-    if vt < 2:
-        # A zero timeout hides nothing and would make the heartbeat spin.
+    if vt < MIN_VISIBILITY_TIMEOUT:
+        # The queue's own (the variable is checked in Settings): a zero timeout hides
+        # nothing and would make the heartbeat spin.
         log.warning("visibility_timeout_too_small", queue_value=vt, using=30)
         vt = 30
     return vt

@@ -32,7 +32,11 @@ class InFlight:
     extender: asyncio.Task[None] | None = None
     # FIFO groups that must wait (bisection): group → the longest delay handed back in it.
     held_groups: dict[str, int] = field(default_factory=dict)
-    hidden_for: int = 0  # seconds of visibility so far (the 12-hour cap counts from receive)
+    # The visibility heartbeat's clock (service.visibility): when the batch started (the
+    # 12-hour cap counts from the receive), and how long after that its unresolved
+    # messages stay hidden (kept across a bisection's halves).
+    received_at: float | None = None
+    hidden_until: float = 0.0
     budget_owner: object = field(default_factory=object)  # its bytes in the memory budget
     # Dead letters already committed (by message id): carry_out does not write them again.
     lettered: set[str] = field(default_factory=set)

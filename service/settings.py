@@ -32,6 +32,21 @@ ENV_PREFIX = "INGEST_"
 CONTROL_POOL_SIZE = 2
 # SQS refuses a visibility timeout beyond 12 hours.
 SQS_MAX_VISIBILITY = 43_200
+#: Shortest visibility timeout the daemon works with (app.py already replaced a queue's own
+#: 0 or 1 by 30): the heartbeat extends every half timeout, so at 1 s it would make two
+#: ChangeMessageVisibility calls a second per batch and lose the message to another
+#: receive whenever the batch's start plus one call took over half a second (at 0 it would
+#: not sleep at all). INGEST_VISIBILITY_TIMEOUT=1 is refused (exit 2) rather than replaced.
+MIN_VISIBILITY_TIMEOUT = 2
+#: Shortest INGEST_WORKER_LEASE: a worker heartbeats every lease / 3, so at 3 s it beats
+#: every second and counts as dead only when a beat is 2 s late — a database round trip
+#: under load, a control connection busy with a GC pass, a handler holding the event loop.
+#: Shorter, another replica's GC collects the claims of a live worker (measured: at 0.15 s
+#: in 0.17 s; at 0.3 s after one 0.4 s event-loop stall); the fence keeps them from being
+#: applied twice, but the batch's work is lost and comes back as a false orphan.
+MIN_WORKER_LEASE = 3.0
+#: Longest lease PostgreSQL can subtract from now() (GC's cutoff): a century, like retention.
+MAX_WORKER_LEASE = 36_500 * 86_400.0
 #: Longest retention (days) a prune can express: PostgreSQL's cutoff, now() - the
 #: retention, must stay a timestamp (and ``inf`` is no interval). A century.
 MAX_RETENTION_DAYS = 36_500
@@ -72,6 +87,13 @@ def _s3_owner(v: str | None) -> str | None:
     return v or None
 
 
+def _visibility(v: int) -> int:
+    if 0 < v < MIN_VISIBILITY_TIMEOUT:
+        raise ValueError(f"must be 0 (the queue's own) or at least {MIN_VISIBILITY_TIMEOUT}: "
+                         "the heartbeat extends every half timeout")
+    return v
+
+
 def _lower(v: object) -> object:
     return v.lower() if isinstance(v, str) else v
 
@@ -97,7 +119,8 @@ class Settings(BaseSettings):
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
         http_host: address the HTTP server binds.
         visibility_timeout: seconds a received message stays hidden; 0 = use the
-            queue's own ``VisibilityTimeout`` attribute, read at startup.
+            queue's own ``VisibilityTimeout`` attribute, read at startup; else at least
+            ``MIN_VISIBILITY_TIMEOUT`` (2).
         max_receive_count: handler attempts before a message is dead-lettered; lowered to
             the queue's RedrivePolicy maxReceiveCount when that is smaller (service.redrive).
         pollers: concurrent long-poll loops.
@@ -113,7 +136,8 @@ class Settings(BaseSettings):
             (0 = no limit); without it a hung handler holds its batch for up to 12 h.
         worker_name: stable name of this replica (pod name); when set, claims of a
             dead previous incarnation with the same name are released at startup.
-        worker_lease: seconds without heartbeat after which a worker is dead.
+        worker_lease: seconds without heartbeat after which a worker is dead (heartbeat
+            every lease / 3; at least ``MIN_WORKER_LEASE``, 3 s).
         gc_interval: seconds between orphan-GC passes.
         retry_base_seconds / retry_max_seconds: exponential backoff of transient failures.
         contention_delay: visibility given to a message another live owner holds.
@@ -166,7 +190,8 @@ class Settings(BaseSettings):
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
     http_host: str = "0.0.0.0"
-    visibility_timeout: int = Field(0, ge=0, le=SQS_MAX_VISIBILITY)
+    visibility_timeout: Annotated[int, AfterValidator(_visibility)] = Field(
+        0, ge=0, le=SQS_MAX_VISIBILITY)
     max_receive_count: int = Field(5, ge=1, le=1000)
     pollers: int = Field(8, ge=1, le=64)
     max_inflight_batches: int = Field(0, ge=0, le=512)
@@ -176,7 +201,8 @@ class Settings(BaseSettings):
     handlers: str = ""
     handler_timeout: float = Field(600.0, ge=0)
     worker_name: str = ""
-    worker_lease: float = Field(30.0, gt=0)
+    worker_lease: float = Field(30.0, ge=MIN_WORKER_LEASE, le=MAX_WORKER_LEASE,
+                                allow_inf_nan=False)
     gc_interval: float = Field(10.0, gt=0)
     retry_base_seconds: float = Field(2.0, ge=0)
     retry_max_seconds: float = Field(900.0, ge=0, le=SQS_MAX_VISIBILITY)

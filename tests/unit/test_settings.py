@@ -29,6 +29,12 @@ def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({**BASE, "INGEST_HTTP_PORT": "70000"}, "INGEST_HTTP_PORT"),
         ({**BASE, "INGEST_LOG_FORMAT": "xml"}, "INGEST_LOG_FORMAT"),
         ({**BASE, "INGEST_VISIBILITY_TIMEOUT": "50000"}, "INGEST_VISIBILITY_TIMEOUT"),
+        # Was taken, then silently replaced by 30 (logged as the queue's own value).
+        ({**BASE, "INGEST_VISIBILITY_TIMEOUT": "1"}, "INGEST_VISIBILITY_TIMEOUT"),
+        # Shorter than a heartbeat can be trusted to arrive: GC collects live claims.
+        ({**BASE, "INGEST_WORKER_LEASE": "0.5"}, "INGEST_WORKER_LEASE"),
+        # GC's cutoff now() - lease is no timestamp: every pass failed, no orphan released.
+        ({**BASE, "INGEST_WORKER_LEASE": "inf"}, "INGEST_WORKER_LEASE"),
         ({**BASE, "INGEST_MAX_RECEIVE_COUNT": "0"}, "INGEST_MAX_RECEIVE_COUNT"),
         ({**BASE, "INGEST_SQS_ENDPOINT_URL": "localhost:4566"}, "INGEST_SQS_ENDPOINT_URL"),
         ({**BASE, "INGEST_HANDLERS": "no_such_module_xyz"}, "INGEST_HANDLERS"),
@@ -42,6 +48,22 @@ def test_bad_config_exits_2_with_one_line_naming_the_variable(
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert variable in lines[0]
+
+
+@pytest.mark.parametrize(("field", "ok", "refused"), [
+    ("worker_lease", ["3", "30", "3153600000"], ["2.99", "0.15", "nan", "1e300", "-inf"]),
+    ("visibility_timeout", ["0", "2", "43200"], ["1", "-1", "43201"]),
+])
+def test_bounds_of_the_heartbeat_settings(field: str, ok: list[str], refused: list[str]) -> None:
+    """INGEST_WORKER_LEASE: at least 3 s (a heartbeat every second, dead after two late
+    ones; shorter, another replica's GC collected a live worker's claims) and a cutoff
+    PostgreSQL can compute. INGEST_VISIBILITY_TIMEOUT: 0 (the queue's own) or 2..43200."""
+    base = {"queue_url": BASE["INGEST_QUEUE_URL"], "database_url": BASE["INGEST_DATABASE_URL"]}
+    for value in ok:
+        assert float(getattr(load_settings(**base, **{field: value}), field)) == float(value)
+    for value in refused:
+        with pytest.raises(ConfigError, match=f"INGEST_{field.upper()} "):
+            load_settings(**base, **{field: value})
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,153 @@
+"""The visibility heartbeat (service.visibility) on a virtual clock: every half timeout the
+batch's unresolved messages are hidden for another full one, and never asked past SQS's
+12-hour cap, which counts from the receive and rejects (does not trim) a change past it.
+No real sleep: the clock's ``sleep`` advances it and only yields."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from service.executor import InFlight
+from service.messages import Received
+from service.settings import SQS_MAX_VISIBILITY
+from service.visibility import CAP_MARGIN, VisibilityHeartbeat, extension
+
+EXT = "sqs_ingest_visibility_extensions_total"
+
+
+def sample(name: str) -> float:
+    from service import metrics
+
+    return metrics.REGISTRY.get_sample_value(name) or 0.0
+
+
+class Clock:
+    """Virtual monotonic time; a heartbeat that never stops fails on ``max_sleeps``."""
+
+    def __init__(self, max_sleeps: int) -> None:
+        self.now = 0.0
+        self.max_sleeps = max_sleeps
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        assert len(self.slept) <= self.max_sleeps, "the heartbeat did not stop"
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+class Sqs:
+    """ChangeMessageVisibility as SQS answers it: each call takes ``latency`` seconds and
+    hides a message from its arrival; one that would end more than 12 hours after the
+    receive (``received``, on the clock: before the batch started) is rejected."""
+
+    def __init__(self, clock: Clock, vt: int, flight: InFlight, latency: float = 0.0,
+                 received: float = 0.0, steps: Sequence[Callable[[], None]] = ()) -> None:
+        self.clock, self.latency, self.received, self.steps = clock, latency, received, steps
+        self.visible_at = {m: received + vt for m in flight.unresolved}
+        self.calls: list[tuple[float, list[tuple[str, int]]]] = []
+        self.rejected: list[tuple[float, str, int]] = []
+        self.late: list[tuple[float, str]] = []  # extended after it was visible again
+
+    async def change_visibility(self, changes: Sequence[tuple[Received, int]]) -> None:
+        self.clock.now += self.latency
+        t = self.clock.now
+        self.calls.append((t, [(m.message_id, s) for m, s in changes]))
+        for m, s in changes:
+            if t > self.visible_at[m.message_id]:
+                self.late.append((t, m.message_id))
+            if t + s - self.received > SQS_MAX_VISIBILITY:
+                self.rejected.append((t, m.message_id, s))
+            else:
+                self.visible_at[m.message_id] = t + s
+        if len(self.calls) <= len(self.steps):
+            self.steps[len(self.calls) - 1]()
+
+
+def flight_of(n: int) -> InFlight:
+    return InFlight([Received(f"m{i}", f"rh{i}", "{}") for i in range(n)])
+
+
+async def test_every_half_timeout_each_unresolved_message_is_hidden_for_a_full_one() -> None:
+    """vt odd: the ticks are vt / 2 and the messages stay hidden until the last call + vt
+    (the count of vt // 2 per tick this replaces lost half a second a tick)."""
+    vt, clock, flight = 31, Clock(10), flight_of(2)
+    m0, m1 = flight.unresolved
+    sqs = Sqs(clock, vt, flight, steps=[lambda: flight.resolve(flight.batch[:1]),
+                                        lambda: flight.resolve(flight.batch)])
+    before = sample(EXT)
+    hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    hb.ensure(flight)
+    assert flight.extender is not None
+    await asyncio.wait_for(flight.extender, 5)
+    assert clock.slept == [15.5, 15.5, 15.5]
+    assert sqs.calls == [(15.5, [(m0, 31), (m1, 31)]), (31.0, [(m1, 31)])]
+    assert (flight.received_at, flight.hidden_until) == (0.0, 62.0)
+    assert sample(EXT) - before == 3
+
+
+@pytest.mark.parametrize("vt", [2, 3, 31, 20_000, SQS_MAX_VISIBILITY])
+async def test_a_batch_that_runs_for_ever_is_kept_hidden_up_to_the_cap_and_never_past_it(
+        vt: int) -> None:
+    """A batch that never finishes (a hung handler with INGEST_HANDLER_TIMEOUT=0), calls
+    that take 50 ms, and a batch that starts 0.2 s after SQS's receive: no change is asked
+    past 12 hours after the receive (SQS rejects it: before, a tick count that fell behind
+    the clock sent thousands of rejected calls at vt 2 and 3); none comes after the message
+    was visible again; the message stays hidden to within CAP_MARGIN of the cap (before,
+    at vt 20,000 it was visible again at 30,000 s); and the heartbeat then returns at its
+    next tick."""
+    clock, flight = Clock(max_sleeps=2 * SQS_MAX_VISIBILITY // vt + 10), flight_of(1)
+    sqs = Sqs(clock, vt, flight, latency=0.05, received=-0.2)
+    hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    hb.ensure(flight)
+    assert flight.extender is not None
+    await asyncio.wait_for(flight.extender, 60)
+    assert sqs.rejected == []
+    assert sqs.late == []
+    hidden = sqs.visible_at["m0"] - sqs.received
+    assert SQS_MAX_VISIBILITY - CAP_MARGIN - 1 <= hidden <= SQS_MAX_VISIBILITY
+    # It returned at its first tick after the last extension (a tick per call, one more).
+    assert len(clock.slept) == len(sqs.calls) + 1
+    assert flight.unresolved  # it stopped at the cap, not because the batch ended
+
+
+def test_extension_is_a_full_timeout_until_the_cap_then_what_is_left_then_nothing() -> None:
+    cap = SQS_MAX_VISIBILITY - CAP_MARGIN
+    assert extension(30, 15.0, 30.0) == 30
+    assert extension(30, cap - 20.5, cap - 5) == 20  # what is left, whole seconds
+    assert extension(30, cap - 10, cap) == 0  # would not hide it longer than it is
+    assert extension(30, cap + 1, cap) == 0
+    # A timeout of the whole 12 hours: the receive already hid it to the cap; a change
+    # would only shorten it.
+    assert extension(SQS_MAX_VISIBILITY, SQS_MAX_VISIBILITY / 2, SQS_MAX_VISIBILITY) == 0
+
+
+@pytest.mark.parametrize("vt", [0, 1])
+def test_a_timeout_under_two_seconds_is_refused(vt: int) -> None:
+    """vt / 2 under a second is no heartbeat (at 0, a loop of calls that never sleeps);
+    INGEST_VISIBILITY_TIMEOUT refuses it (exit 2) and a queue's own is replaced by 30."""
+    with pytest.raises(ValueError, match="visibility timeout"):
+        VisibilityHeartbeat(object(), vt)  # type: ignore[arg-type]
+
+
+async def test_a_restarted_heartbeat_keeps_the_receive_time() -> None:
+    """A bisection stops the heartbeat before a half's acks and starts it again: the cap
+    still counts from the batch's start, not from the restart."""
+    vt, clock, flight = 30, Clock(10), flight_of(1)
+    sqs = Sqs(clock, vt, flight)
+    hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    hb.ensure(flight)
+    await flight.stop_extender()
+    clock.now = SQS_MAX_VISIBILITY - CAP_MARGIN - 20  # the first half ran for nearly 12 h
+    flight.hidden_until = clock.now + 10
+    hb.ensure(flight)
+    assert flight.extender is not None
+    await asyncio.wait_for(flight.extender, 5)
+    assert flight.received_at == 0.0
+    assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 5, [("m0", 5)])]
