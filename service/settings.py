@@ -172,7 +172,8 @@ class Settings(BaseSettings):
         prune_batch_size / prune_pause: rows per delete transaction, seconds between them.
         dead_letter_retention_days: replayed dead letters are kept this long after replay.
         reconcile_retention_days: reconciliation runs and their discrepancies.
-        worker_retention_days: ``workers`` rows this long after their last heartbeat.
+        worker_retention_days: ``workers`` rows this long after their last heartbeat
+            (at least ``worker_lease``).
         s3_endpoint_url: S3 endpoint for payloads offloaded by the AWS extended clients
             (default: ``sqs_endpoint_url``).
         max_payload_bytes: largest S3-offloaded payload read (checked before reading);
@@ -279,6 +280,20 @@ class Settings(BaseSettings):
         if payload is not None and v < payload:
             raise ValueError(f"({v}) cannot hold one message of INGEST_MAX_PAYLOAD_BYTES "
                              f"({payload}): raise it or lower INGEST_MAX_PAYLOAD_BYTES")
+        return v
+
+    @field_validator("worker_retention_days")
+    @classmethod
+    def _worker_retention(cls, v: float, info: ValidationInfo) -> float:
+        # Shorter than the lease, a prune pass deleted the row of a live worker between two
+        # heartbeats (it holds no claim then); its next claim had an unknown owner, which
+        # another replica's GC collected at once (measured: at 1e-6 days, a claim made
+        # 0.2 s after a beat). At the lease or longer a pruned row is one GC counts dead.
+        lease = info.data.get("worker_lease")
+        if lease is not None and v * 86_400 < lease:
+            raise ValueError(f"({v:g} days = {v * 86_400:g} s) is shorter than "
+                             f"INGEST_WORKER_LEASE ({lease:g} s): the pruner would delete live "
+                             "workers; raise it or lower INGEST_WORKER_LEASE")
         return v
 
     @property
