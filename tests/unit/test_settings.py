@@ -35,6 +35,13 @@ def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({**BASE, "INGEST_WORKER_LEASE": "0.5"}, "INGEST_WORKER_LEASE"),
         # GC's cutoff now() - lease is no timestamp: every pass failed, no orphan released.
         ({**BASE, "INGEST_WORKER_LEASE": "inf"}, "INGEST_WORKER_LEASE"),
+        # A sleep that does not wait: the GC loop spun at 96% of a core through an outage.
+        ({**BASE, "INGEST_GC_INTERVAL": "1e-9"}, "INGEST_GC_INTERVAL"),
+        # The outage hand-back's ceil(inf) raised where the batch was to be given back.
+        ({**BASE, "INGEST_RETRY_BASE_SECONDS": "inf"}, "INGEST_RETRY_BASE_SECONDS"),
+        # Pruned the rows of live workers: their next claims were collected by another GC.
+        ({**BASE, "INGEST_WORKER_LEASE": "3600", "INGEST_WORKER_RETENTION_DAYS": "0.01"},
+         "INGEST_WORKER_RETENTION_DAYS"),
         ({**BASE, "INGEST_MAX_RECEIVE_COUNT": "0"}, "INGEST_MAX_RECEIVE_COUNT"),
         ({**BASE, "INGEST_SQS_ENDPOINT_URL": "localhost:4566"}, "INGEST_SQS_ENDPOINT_URL"),
         ({**BASE, "INGEST_HANDLERS": "no_such_module_xyz"}, "INGEST_HANDLERS"),
@@ -53,17 +60,29 @@ def test_bad_config_exits_2_with_one_line_naming_the_variable(
 @pytest.mark.parametrize(("field", "ok", "refused"), [
     ("worker_lease", ["3", "30", "3153600000"], ["2.99", "0.15", "nan", "1e300", "-inf"]),
     ("visibility_timeout", ["0", "2", "43200"], ["1", "-1", "43201"]),
+    ("gc_interval", ["0.001", "10", "1e300"], ["0.0009", "1e-9", "0"]),
+    ("queue_attributes_interval", ["0.001", "15", "1e300"], ["0.0009", "1e-9", "0"]),
+    ("prune_interval", ["0", "0.001", "3600", "1e300"], ["0.0009", "1e-9", "inf"]),
+    ("retry_base_seconds", ["0", "2", "1e300"], ["inf", "-1"]),
+    # At least the default lease, 30 s (0.000347 days).
+    ("worker_retention_days", ["0.00035", "7", "36500"], ["1e-6", "0.0003", "36501"]),
 ])
-def test_bounds_of_the_heartbeat_settings(field: str, ok: list[str], refused: list[str]) -> None:
+def test_bounds_of_the_timing_settings(field: str, ok: list[str], refused: list[str]) -> None:
     """INGEST_WORKER_LEASE: at least 3 s (a heartbeat every second, dead after two late
     ones; shorter, another replica's GC collected a live worker's claims) and a cutoff
-    PostgreSQL can compute. INGEST_VISIBILITY_TIMEOUT: 0 (the queue's own) or 2..43200."""
-    base = {"queue_url": BASE["INGEST_QUEUE_URL"], "database_url": BASE["INGEST_DATABASE_URL"]}
+    PostgreSQL can compute. INGEST_VISIBILITY_TIMEOUT: 0 (the queue's own) or 2..43200.
+    The timed loops (GC, GetQueueAttributes, prune — 0 = off): at least 1 ms, the shortest
+    wait asyncio makes (at 1e-9 they spun). INGEST_RETRY_BASE_SECONDS: finite (the
+    hand-back's jitter raised on inf; 1e300 is capped at 12 h). INGEST_WORKER_RETENTION_DAYS:
+    at least the lease (shorter, the pruner deleted live workers)."""
+    # A century of worker retention: a lease up to a century is then allowed.
+    base = {"queue_url": BASE["INGEST_QUEUE_URL"], "database_url": BASE["INGEST_DATABASE_URL"],
+            "worker_retention_days": "36500"}
     for value in ok:
-        assert float(getattr(load_settings(**base, **{field: value}), field)) == float(value)
+        assert float(getattr(load_settings(**{**base, field: value}), field)) == float(value)
     for value in refused:
         with pytest.raises(ConfigError, match=f"INGEST_{field.upper()} "):
-            load_settings(**base, **{field: value})
+            load_settings(**{**base, field: value})
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
