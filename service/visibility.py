@@ -63,13 +63,11 @@ class VisibilityHeartbeat:
         if flight.received_at is None:
             flight.received_at = self.clock()  # the batch starts as its receives return
         if flight.extender is None or flight.extender.done():
-            flight.extender = asyncio.create_task(self._extend(flight), name="extender")
+            flight.extender = asyncio.create_task(
+                self._extend(flight, flight.received_at), name="extender")
 
-    async def _extend(self, flight: InFlight) -> None:
+    async def _extend(self, flight: InFlight, received_at: float) -> None:
         vt = self.visibility_timeout
-        if flight.received_at is None:
-            flight.received_at = self.clock()
-        received_at = flight.received_at
         flight.hidden_until = flight.hidden_until or vt  # the receive hid them for vt
         while True:
             await self.sleep(vt / 2)

@@ -27,8 +27,8 @@ def sample(name: str) -> float:
 class Clock:
     """Virtual monotonic time; a heartbeat that never stops fails on ``max_sleeps``."""
 
-    def __init__(self, max_sleeps: int) -> None:
-        self.now = 0.0
+    def __init__(self, max_sleeps: int, start: float = 0.0) -> None:
+        self.now = start
         self.max_sleeps = max_sleeps
         self.slept: list[float] = []
 
@@ -102,8 +102,11 @@ async def test_a_batch_that_runs_for_ever_is_kept_hidden_up_to_the_cap_and_never
     was visible again; the message stays hidden to within CAP_MARGIN of the cap (before,
     at vt 20,000 it was visible again at 30,000 s); and the heartbeat then returns at its
     next tick."""
-    clock, flight = Clock(max_sleeps=2 * SQS_MAX_VISIBILITY // vt + 10), flight_of(1)
-    sqs = Sqs(clock, vt, flight, latency=0.05, received=-0.2)
+    # A monotonic clock that is not at 0 when the batch starts (elapsed = now - start).
+    start = 5_000.0
+    clock = Clock(max_sleeps=2 * SQS_MAX_VISIBILITY // vt + 10, start=start)
+    flight = flight_of(1)
+    sqs = Sqs(clock, vt, flight, latency=0.05, received=start - 0.2)
     hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
     hb.ensure(flight)
     assert flight.extender is not None
@@ -115,6 +118,8 @@ async def test_a_batch_that_runs_for_ever_is_kept_hidden_up_to_the_cap_and_never
     # It returned at its first tick after the last extension (a tick per call, one more).
     assert len(clock.slept) == len(sqs.calls) + 1
     assert flight.unresolved  # it stopped at the cap, not because the batch ended
+    if vt == SQS_MAX_VISIBILITY:
+        assert sqs.calls == []  # the receive hid it to the cap: a change could only shorten it
 
 
 def test_extension_is_a_full_timeout_until_the_cap_then_what_is_left_then_nothing() -> None:
@@ -151,3 +156,19 @@ async def test_a_restarted_heartbeat_keeps_the_receive_time() -> None:
     await asyncio.wait_for(flight.extender, 5)
     assert flight.received_at == 0.0
     assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 5, [("m0", 5)])]
+
+
+async def test_the_last_second_before_the_cap_is_still_asked_for() -> None:
+    """One second left under the cap (less CAP_MARGIN) at a tick, and the messages hidden
+    for less than that: a change of one second, then nothing more."""
+    vt, clock, flight = 30, Clock(10), flight_of(1)
+    sqs = Sqs(clock, vt, flight)
+    hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    hb.ensure(flight)
+    await flight.stop_extender()
+    clock.now = SQS_MAX_VISIBILITY - CAP_MARGIN - 1 - vt / 2  # the next tick: 1 s left
+    flight.hidden_until = clock.now + 10
+    hb.ensure(flight)
+    assert flight.extender is not None
+    await asyncio.wait_for(flight.extender, 5)
+    assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 1, [("m0", 1)])]
