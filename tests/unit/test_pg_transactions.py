@@ -40,7 +40,7 @@ class Pool:
 
 async def test_a_committed_batch_resets_its_connection_and_returns_replacements() -> None:
     pool, conn, spare = Pool(), Conn(), Conn()
-    txns = _PgTransactions(pool, conn, "w", results=False)  # type: ignore[arg-type]
+    txns = _PgTransactions(pool, conn, "w", results=False)
     txns.replacements.append(spare)
     await txns.finish(committed=True)
     assert (conn.resets, conn.terminated, pool.released) == (1, 0, [spare])
@@ -48,17 +48,17 @@ async def test_a_committed_batch_resets_its_connection_and_returns_replacements(
 
 async def test_a_failed_reset_closes_the_open_connection_and_raises_nothing() -> None:
     pool, conn = Pool(), Conn(reset_fails=True)
-    await _PgTransactions(pool, conn, "w", results=False).finish(committed=True)  # type: ignore[arg-type]
+    await _PgTransactions(pool, conn, "w", results=False).finish(committed=True)
     assert (conn.resets, conn.terminated) == (1, 1)
 
 
 async def test_a_failed_reset_of_a_connection_already_gone_is_left_alone() -> None:
     pool, conn = Pool(), Conn(reset_fails=True, closed=True)
-    await _PgTransactions(pool, conn, "w", results=False).finish(committed=True)  # type: ignore[arg-type]
+    await _PgTransactions(pool, conn, "w", results=False).finish(committed=True)
     assert conn.terminated == 0
 
 
 async def test_nothing_committed_no_reset() -> None:
     pool, conn = Pool(), Conn()
-    await _PgTransactions(pool, conn, "w", results=False).finish(committed=False)  # type: ignore[arg-type]
+    await _PgTransactions(pool, conn, "w", results=False).finish(committed=False)
     assert conn.resets == 0
