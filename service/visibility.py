@@ -69,8 +69,12 @@ class VisibilityHeartbeat:
     async def _extend(self, flight: InFlight, received_at: float) -> None:
         vt = self.visibility_timeout
         flight.hidden_until = flight.hidden_until or vt  # the receive hid them for vt
+        # Restarted (a bisection's next half): the next extension is due when half a timeout
+        # of cover is left, not half a timeout after the restart (which could come after it).
+        wait = min(vt / 2, max(0.0, flight.hidden_until - (self.clock() - received_at) - vt / 2))
         while True:
-            await self.sleep(vt / 2)
+            await self.sleep(wait)
+            wait = vt / 2
             if not flight.unresolved:
                 return
             elapsed = self.clock() - received_at

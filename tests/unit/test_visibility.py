@@ -155,7 +155,28 @@ async def test_a_restarted_heartbeat_keeps_the_receive_time() -> None:
     assert flight.extender is not None
     await asyncio.wait_for(flight.extender, 5)
     assert flight.received_at == 0.0
-    assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 5, [("m0", 5)])]
+    # 10 s of cover left, under half a timeout: extended at once, to the cap (less the margin).
+    assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 20, [("m0", 20)])]
+
+
+@pytest.mark.parametrize(("cover", "first_call"), [(25.0, 1010.0), (10.0, 1000.0), (40.0, 1015.0)])
+async def test_a_restarted_heartbeat_extends_when_half_a_timeout_of_cover_is_left(
+        cover: float, first_call: float) -> None:
+    """Restarted at 1,000 s with ``cover`` seconds of hiding left: the next extension comes
+    when 15 s (half the timeout) are left — at once if fewer are — never later than half a
+    timeout after the restart; before, always half a timeout after it, by when a restart
+    late in a cycle had let the cover run out."""
+    vt, clock, flight = 30, Clock(10), flight_of(1)
+    sqs = Sqs(clock, vt, flight, steps=[lambda: flight.resolve(flight.batch)])
+    hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    hb.ensure(flight)
+    await flight.stop_extender()
+    clock.now = 1000.0
+    flight.hidden_until = clock.now + cover
+    hb.ensure(flight)
+    assert flight.extender is not None
+    await asyncio.wait_for(flight.extender, 5)
+    assert sqs.calls == [(first_call, [("m0", 30)])]
 
 
 async def test_the_last_second_before_the_cap_is_still_asked_for() -> None:
@@ -166,9 +187,9 @@ async def test_the_last_second_before_the_cap_is_still_asked_for() -> None:
     hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
     hb.ensure(flight)
     await flight.stop_extender()
-    clock.now = SQS_MAX_VISIBILITY - CAP_MARGIN - 1 - vt / 2  # the next tick: 1 s left
-    flight.hidden_until = clock.now + 10
+    clock.now = SQS_MAX_VISIBILITY - CAP_MARGIN - 1.5  # 1.5 s left: a whole second to ask
+    flight.hidden_until = clock.now + 0.2
     hb.ensure(flight)
     assert flight.extender is not None
     await asyncio.wait_for(flight.extender, 5)
-    assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 1, [("m0", 1)])]
+    assert sqs.calls == [(SQS_MAX_VISIBILITY - CAP_MARGIN - 1.5, [("m0", 1)])]
