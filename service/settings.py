@@ -93,18 +93,15 @@ def _s3_owner(v: str | None) -> str | None:
     return v or None
 
 
-def _visibility(v: int) -> int:
-    if 0 < v < MIN_VISIBILITY_TIMEOUT:
-        raise ValueError(f"must be 0 (the queue's own) or at least {MIN_VISIBILITY_TIMEOUT}: "
-                         "the heartbeat extends every half timeout")
-    return v
+def _zero_or_at_least(minimum: float, zero: str, why: str) -> AfterValidator:
+    """0 (which means ``zero``) or at least ``minimum``."""
 
+    def check(v: float) -> float:
+        if 0 < v < minimum:
+            raise ValueError(f"must be 0 ({zero}) or at least {minimum:g}: {why}")
+        return v
 
-def _interval_or_off(v: float) -> float:
-    if 0 < v < MIN_LOOP_INTERVAL:
-        raise ValueError(f"must be 0 (off) or at least {MIN_LOOP_INTERVAL:g}: "
-                         "a shorter wait is a busy loop")
-    return v
+    return AfterValidator(check)
 
 
 def _lower(v: object) -> object:
@@ -205,8 +202,9 @@ class Settings(BaseSettings):
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
     http_host: str = "0.0.0.0"
-    visibility_timeout: Annotated[int, AfterValidator(_visibility)] = Field(
-        0, ge=0, le=SQS_MAX_VISIBILITY)
+    visibility_timeout: Annotated[int, _zero_or_at_least(
+        MIN_VISIBILITY_TIMEOUT, "the queue's own", "the heartbeat extends every half timeout",
+    )] = Field(0, ge=0, le=SQS_MAX_VISIBILITY)
     max_receive_count: int = Field(5, ge=1, le=1000)
     pollers: int = Field(8, ge=1, le=64)
     max_inflight_batches: int = Field(0, ge=0, le=512)
@@ -244,8 +242,9 @@ class Settings(BaseSettings):
     results_retention_days: float = Field(7.0, ge=0, le=MAX_RETENTION_DAYS)
     results_send_timeout: float = Field(10.0, gt=0)
     retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
-    prune_interval: Annotated[float, AfterValidator(_interval_or_off)] = Field(
-        3600.0, ge=0, allow_inf_nan=False)
+    prune_interval: Annotated[float, _zero_or_at_least(
+        MIN_LOOP_INTERVAL, "off", "a shorter wait is a busy loop",
+    )] = Field(3600.0, ge=0, allow_inf_nan=False)
     prune_batch_size: int = Field(5000, ge=1, le=100_000)
     prune_pause: float = Field(0.0, ge=0, allow_inf_nan=False)
     dead_letter_retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
