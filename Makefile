@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock install install-run services stop run test test-fast test-reconcile lint bench bench-memory bench-growth bench-reconcile image clean mutation mutation-diff sql-mutation fuzz test-investigations
+.PHONY: lock install install-run services stop run test test-fast test-reconcile lint bench bench-memory bench-growth bench-reconcile image clean docs mutation mutation-diff sql-mutation fuzz test-investigations
 
 ## make lock [LOCK_UPGRADE=1]: refresh the hashed lock files requirements/*.txt from
 ## pyproject.toml (uv, in its own .venv-lock); make install / CI / the Dockerfile install
@@ -124,6 +124,13 @@ lint: install
 	$(VENV)/bin/ruff check service tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
+
+## make docs: regenerate docs/reference/ from the code (scripts/docs_reference.py), then build
+## the documentation site (mkdocs-material) into site/ with --strict
+docs: install
+	$(PY) scripts/docs_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf .run .pytest_cache mutants

@@ -124,6 +124,12 @@ class Settings(BaseSettings):
             ``{"username", "password"}``) override its credentials. Held canonical
             (percent-encoded); use :attr:`database_dsn` to connect and
             :attr:`database_redacted` to print.
+        database_url_file: read ``INGEST_DATABASE_URL`` from this file (a mounted secret; one
+            trailing newline ignored); setting both is exit 2.
+        database_password: overrides the URL's password: the password itself, or an
+            RDS-managed / Secrets Manager JSON secret ``{"username", "password"}`` (its
+            ``username``, when present, overrides the user too).
+        database_password_file: the same, read from a file; setting both is exit 2.
         sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
         aws_region: region for the SQS client.
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).

@@ -1,6 +1,6 @@
 """Autoscaling on the backlog (issue 24), checked offline: the KEDA overlay, the HPA alternative
 and the ECS target-tracking policy render/validate, their numbers are derived from the inputs in
-deploy/autoscaling.json (README "Sizing"), the replicas' connections fit PostgreSQL's
+deploy/autoscaling.json (docs/operations/sizing.md), the replicas' connections fit PostgreSQL's
 max_connections, and scale-in drains (SIGKILL comes after the drain)."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_keda_overlay_scales_on_the_queue_within_the_connection_budget() -> None
     assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
     assert auth["spec"]["podIdentity"]["provider"] == "aws"  # no access keys in the cluster
     assert spec["scaleTargetRef"]["name"] == one(objs, "Deployment")["metadata"]["name"]
-    assert spec["minReplicaCount"] >= 1  # zero is a choice (README "Sizing"), not the default
+    assert spec["minReplicaCount"] >= 1  # zero is a choice (docs/operations/sizing.md), not the default
     check_deployment(objs, spec["maxReplicaCount"])
 
 
@@ -140,9 +140,9 @@ def test_connections_per_replica_counts_every_pool() -> None:
 
 
 def test_sizing_inputs_are_what_the_readme_states() -> None:
-    """README "Sizing" shows the formula with these very inputs and results."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    sizing = readme.split("### Sizing", 1)[1].split("\n### ", 1)[0]
+    """docs/operations/sizing.md shows the formula with these very inputs and results."""
+    page = (Path(__file__).resolve().parents[2] / "docs/operations/sizing.md").read_text()
+    sizing = page.split("## Sizing", 1)[1].split("\n## ", 1)[0]
     per_replica = settings_from({}).db_connections
     most = BUDGET // per_replica
     for line in (

@@ -6,7 +6,7 @@ duplicate, dead_lettered, retried); a real Prometheus scrapes it, and the reconc
 query of every panel is evaluated through Prometheus's HTTP API: it must parse, it must name
 only metrics and labels that Prometheus really scraped, and — unless it is on the short
 list of series this workload cannot produce — it must return data. The panels are drawn to
-a PNG from the same queries (``DASHBOARD_PNG=docs/dashboard.png`` keeps it).
+a PNG from the same queries (``DASHBOARD_PNG=docs/img/dashboard.png`` keeps it).
 """
 
 from __future__ import annotations
