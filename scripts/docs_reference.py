@@ -294,26 +294,18 @@ def schema_page() -> str:
 
 
 def _schema_via_cli() -> Any:
-    import contextlib
-    import io
+    """``sqs-ingest schema`` in a process of its own: only the reference handlers registered,
+    whatever the calling process imported."""
     import os
+    import subprocess
 
-    from service import cli
-
-    buf = io.StringIO()
     env = {k: v for k, v in os.environ.items() if not k.startswith("INGEST_")}
-    old = os.environ.copy()
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        with contextlib.redirect_stdout(buf):
-            rc = cli.main(["schema"])
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    if rc != 0:
-        raise SystemExit(f"sqs-ingest schema exited {rc}")
-    return json.loads(buf.getvalue())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-m", "service", "schema"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"sqs-ingest schema exited {done.returncode}: {done.stderr[-500:]}")
+    return json.loads(done.stdout)
 
 
 # ---------------------------------------------------------------- helpers

@@ -36,8 +36,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="sqs-ingest",
         description="Move messages from an SQS queue into PostgreSQL exactly once in effect. "
         "Configured by INGEST_* environment variables (INGEST_QUEUE_URL and "
-        "INGEST_DATABASE_URL are required); see the README.",
+        "INGEST_DATABASE_URL are required); see the documentation.",
     )
+    from service import __version__
+
+    p.add_argument("--version", action="version", version=f"sqs-ingest {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the daemon in the foreground")
     sub.add_parser("migrate", help="apply pending database migrations")
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = _settings_for(args)
     except ConfigError as exc:
-        print(f"sqs-ingest: {safe(str(exc))}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"sqs-ingest: {safe(line)}", file=sys.stderr)
         return EXIT_CONFIG
 
     from service.logs import configure_logging

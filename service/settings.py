@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,7 +133,8 @@ class Settings(BaseSettings):
             ``username``, when present, overrides the user too).
         database_password_file: the same, read from a file; setting both is exit 2.
         sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
-        aws_region: region for the SQS client.
+        aws_region: region of the AWS clients; unset: ``AWS_REGION`` or ``AWS_DEFAULT_REGION``
+            (what ECS and IRSA inject), else the queue URL's region, else us-east-1.
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
         http_host: address the HTTP server binds.
         visibility_timeout: seconds a received message stays hidden; 0 = use the
@@ -205,7 +208,7 @@ class Settings(BaseSettings):
     database_password: SecretStr | None = None
     database_password_file: Path | None = None
     sqs_endpoint_url: EndpointUrl = None
-    aws_region: str = "us-east-1"
+    aws_region: str = Field("", validate_default=True)
     http_port: int = Field(9102, ge=0, le=65535)
     http_host: str = "0.0.0.0"
     visibility_timeout: Annotated[int, _zero_or_at_least(
@@ -268,6 +271,11 @@ class Settings(BaseSettings):
             else:
                 data["database_url"] = url
         return data
+
+    @field_validator("aws_region")
+    @classmethod
+    def _region(cls, v: str, info: ValidationInfo) -> str:
+        return v or default_region(str(info.data.get("queue_url") or ""))
 
     @field_validator("results_queue_url")
     @classmethod
@@ -344,18 +352,68 @@ class Settings(BaseSettings):
         return self.worker_name or socket.gethostname()
 
 
+#: ``INGEST_*`` variables read outside :class:`Settings`: the reconcile job's peers
+#: (:func:`reconcile_peers_from_env`). Variables of the test harness carry a prefix of theirs.
+OTHER_VARIABLES = ("INGEST_RECONCILE_PEER_URLS", "INGEST_RECONCILE_PEER_URLS_FILE")
+_HARNESS_PREFIXES = ("INGEST_TEST_", "INGEST_TESTS_", "INGEST_MUTANT_")
+
+
+_QUEUE_REGION = re.compile(r"^https?://sqs[.-]([a-z0-9-]+)\.amazonaws\.com(?:\.cn)?/")
+
+
+def default_region(queue_url: str, environ: Mapping[str, str] | None = None) -> str:
+    """The region when ``INGEST_AWS_REGION`` is not set: ``AWS_REGION`` or
+    ``AWS_DEFAULT_REGION`` (what ECS and IRSA inject), else the queue URL's
+    (``https://sqs.eu-west-1.amazonaws.com/…``), else us-east-1."""
+    env = os.environ if environ is None else environ
+    m = _QUEUE_REGION.match(queue_url)
+    return (env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+            or (m.group(1) if m else "") or "us-east-1")
+
+
+def known_variables() -> list[str]:
+    return [f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields] + list(
+        OTHER_VARIABLES)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each ``INGEST_*`` variable sqs-ingest does not know (a typo would
+    otherwise be ignored silently), naming the closest known name."""
+    env = os.environ if environ is None else environ
+    known = known_variables()
+    lines = []
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in known or var.startswith(_HARNESS_PREFIXES):
+            continue
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
+        hint = f": did you mean {close[0]}?" if close else ""
+        lines.append(f"configuration error: {var} is not a setting of sqs-ingest{hint}")
+    return lines
+
+
+def _error_line(err: Mapping[str, Any]) -> str:
+    loc = err["loc"][0] if err["loc"] else "?"
+    var = f"{ENV_PREFIX}{str(loc).upper()}"
+    msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    msg = msg[:1].lower() + msg[1:]
+    if err["type"] == "missing":
+        msg = "is required but not set"
+    return f"configuration error: {var} {msg}"
+
+
 def load_settings(**overrides: object) -> Settings:
-    """Build Settings, turning a validation error into a one-line ConfigError."""
+    """Build Settings. Every unknown ``INGEST_*`` variable and every invalid one is reported,
+    each on a line of its own, in one ConfigError."""
+    lines = unknown_variables()
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = err["loc"][0] if err["loc"] else "?"
-        var = f"{ENV_PREFIX}{str(loc).upper()}"
-        msg = err["msg"]
-        if err["type"] == "missing":
-            msg = "is required but not set"
-        raise ConfigError(f"configuration error: {var} {msg}") from None
+        lines += [_error_line(err) for err in exc.errors()]
+    except ConfigError as exc:
+        lines.append(str(exc))
+    if lines:
+        raise ConfigError("\n".join(dict.fromkeys(lines))) from None
+    return settings
 
 
 def redact_dsn(dsn: str) -> str:

@@ -22,7 +22,7 @@ def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("env", "variable"),
     [
-        ({}, "INGEST_QUEUE_URL"),
+        ({"INGEST_DATABASE_URL": "postgresql://u@h/d"}, "INGEST_QUEUE_URL"),
         ({"INGEST_QUEUE_URL": "http://x/q"}, "INGEST_DATABASE_URL"),
         ({**BASE, "INGEST_DATABASE_URL": "mysql://x"}, "INGEST_DATABASE_URL"),
         ({**BASE, "INGEST_POLLERS": "many"}, "INGEST_POLLERS"),
@@ -113,3 +113,69 @@ def test_config_error_never_echoes_the_password(monkeypatch: pytest.MonkeyPatch)
 def test_redact_dsn() -> None:
     assert redact_dsn("postgresql://u:pw@h:5432/d") == "postgresql://u@h:5432/d"
     assert redact_dsn("postgresql://u@h/d") == "postgresql://u@h/d"
+
+
+def test_an_unknown_variable_exits_2_naming_the_closest_setting() -> None:
+    """A typo used to be ignored silently: INGEST_POLERS=8 ran with 8 pollers... of the
+    default, whatever was meant."""
+    proc = run_cli({**BASE, "INGEST_POLERS": "8"})
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "INGEST_POLERS" in lines[0] and "INGEST_POLLERS" in lines[0]
+
+
+def test_every_invalid_variable_is_reported_in_the_projects_words() -> None:
+    proc = run_cli({**BASE, "INGEST_POLLERS": "0", "INGEST_HTTP_PORT": "-1",
+                    "INGEST_MAX_RECIEVE_COUNT": "3"})
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 3, proc.stderr
+    assert {v for v in ("INGEST_POLLERS", "INGEST_HTTP_PORT", "INGEST_MAX_RECIEVE_COUNT")
+            for line in lines if v in line} == {"INGEST_POLLERS", "INGEST_HTTP_PORT",
+                                                 "INGEST_MAX_RECIEVE_COUNT"}
+    assert "INGEST_MAX_RECEIVE_COUNT" in proc.stderr  # the closest name
+    assert "Value error" not in proc.stderr and "Input should" not in proc.stderr
+
+
+def test_both_required_variables_missing_are_two_lines() -> None:
+    lines = [line for line in run_cli({}).stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and "INGEST_QUEUE_URL" in lines[0] + lines[1] \
+        and "INGEST_DATABASE_URL" in lines[0] + lines[1], lines
+
+
+def test_the_harness_and_reconcile_variables_are_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in {**BASE, "INGEST_TEST_PG_PORT": "1", "INGEST_TESTS_STRICT": "1",
+                 "INGEST_RECONCILE_PEER_URLS": "postgresql://u@h/p"}.items():
+        monkeypatch.setenv(k, v)
+    assert load_settings().pollers == 8
+
+
+@pytest.mark.parametrize(("env", "region"), [
+    ({}, "us-east-1"),
+    ({"AWS_REGION": "eu-west-1"}, "eu-west-1"),
+    ({"AWS_DEFAULT_REGION": "eu-central-1"}, "eu-central-1"),
+    ({"AWS_REGION": "eu-west-1", "AWS_DEFAULT_REGION": "eu-central-1"}, "eu-west-1"),
+    ({"AWS_REGION": "eu-west-1", "INGEST_AWS_REGION": "us-west-2"}, "us-west-2"),
+    ({"INGEST_QUEUE_URL": "https://sqs.ap-south-1.amazonaws.com/123456789012/q"}, "ap-south-1"),
+    ({"INGEST_QUEUE_URL": "https://sqs.ap-south-1.amazonaws.com/123456789012/q",
+      "AWS_REGION": "eu-west-1"}, "eu-west-1"),
+])
+def test_the_region_comes_from_ingest_then_aws_then_the_queue_url(
+    env: dict[str, str], region: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """INGEST_AWS_REGION used to default to us-east-1 and override the AWS_REGION that ECS
+    and IRSA inject."""
+    for k in ("AWS_REGION", "AWS_DEFAULT_REGION", "INGEST_AWS_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {**BASE, **env}.items():
+        monkeypatch.setenv(k, v)
+    assert load_settings().aws_region == region
+
+
+def test_version() -> None:
+    from service import __version__
+
+    proc = subprocess.run([sys.executable, "-m", "service", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"sqs-ingest {__version__}"
