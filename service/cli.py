@@ -114,16 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(settings: Settings) -> int:
     """The daemon: the handler modules imported, tracing set up if asked, app.run."""
     from service import app, diagnose
-    from service.handlers import load_handler_modules
-    from service.secrets import safe
 
-    try:
-        load_handler_modules(settings.handler_modules)
-    except Exception as exc:  # any import-time failure of user code is a config error
-        print(safe(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
-                   f"{type(exc).__name__}: {exc} (install the module, or add its "
-                   f"directory to PYTHONPATH)"), file=sys.stderr)
-        return EXIT_CONFIG
+    if (failed := _load_handlers(settings)) is not None:
+        return failed
     if not settings.tracing:
         return diagnose.guard(settings, lambda: _run_async(
             app.run(settings, early_signals=_early_signals)))
@@ -191,20 +184,37 @@ def _settings_for(args: argparse.Namespace) -> Settings:
     return load_settings()
 
 
+def _load_handlers(settings: Settings) -> int | None:
+    """Import the handler packages and INGEST_HANDLERS; a failure is bad configuration: one
+    line naming the package or module (exit 2)."""
+    from service.handlers import HandlerConflict, HandlerLoadError, load_handler_modules
+    from service.secrets import safe
+
+    try:
+        load_handler_modules(settings.handler_modules)
+    except HandlerConflict as exc:
+        print(safe(f"sqs-ingest: configuration error: {exc}"), file=sys.stderr)
+    except HandlerLoadError as exc:
+        print(safe(f"sqs-ingest: configuration error: INGEST_HANDLERS: {exc} (install the "
+                   "package or module, or add its directory to PYTHONPATH)"), file=sys.stderr)
+    except Exception as exc:  # any other import-time failure of user code
+        print(safe(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
+                   f"{type(exc).__name__}: {exc}"), file=sys.stderr)
+    else:
+        return None
+    return EXIT_CONFIG
+
+
 def _describe(settings: Settings, command: str) -> int:
     """The registry the daemon would run with: reference handlers + INGEST_HANDLERS."""
     import json
 
     from service import schema
-    from service.handlers import default_registry, load_handler_modules, load_reference_handlers
+    from service.handlers import default_registry, load_reference_handlers
 
     load_reference_handlers()
-    try:
-        load_handler_modules(settings.handler_modules)
-    except Exception as exc:  # as in `run`: user code that cannot import is a config error
-        print(f"sqs-ingest: configuration error: INGEST_HANDLERS cannot import: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    if (failed := _load_handlers(settings)) is not None:
+        return failed
     if command == "schema":
         print(json.dumps(schema.document(default_registry), indent=2, sort_keys=False))
     else:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from service.handlers.context import current_attributes, current_request_id, request_context
 from service.handlers.registry import (
+    HandlerConflict,
+    HandlerLoadError,
     HandlerSpec,
     Registry,
+    TypedHandlerFn,
     batch_handler,
     default_registry,
     handler,
@@ -20,8 +23,11 @@ def load_reference_handlers() -> None:
 
 
 __all__ = [
+    "HandlerConflict",
+    "HandlerLoadError",
     "HandlerSpec",
     "Registry",
+    "TypedHandlerFn",
     "batch_handler",
     "current_attributes",
     "current_request_id",

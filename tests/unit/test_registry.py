@@ -55,3 +55,87 @@ def test_handlers_module_registers_through_decorator(tmp_path, monkeypatch) -> N
     spec = default_registry.get("invoice.created.test")
     assert spec is not None and spec.model.__name__ == "Invoice"
     sys.modules.pop("my_handlers_mod", None)
+
+
+class Q(BaseModel):
+    y: str
+
+
+def test_the_model_is_read_from_the_payload_annotation() -> None:
+    from service.handlers.registry import payload_model
+
+    assert payload_model("t", fn) is P
+    assert payload_model("t", fn, P) is P
+
+
+def test_an_unannotated_handler_without_a_model_is_refused() -> None:
+    from service.handlers.registry import payload_model
+
+    async def bare(payload, conn):  # type: ignore[no-untyped-def]
+        return None
+
+    with pytest.raises(TypeError, match=r"annotate its payload parameter.*@handler\('t', Model\)"):
+        payload_model("t", bare)
+
+
+def test_an_explicit_model_that_contradicts_the_annotation_is_refused() -> None:
+    from service.handlers.registry import payload_model
+
+    with pytest.raises(TypeError, match="annotated P"):
+        payload_model("t", fn, Q)
+
+
+def test_the_decorator_without_a_model(tmp_path, monkeypatch) -> None:
+    (tmp_path / "typed_handlers_mod.py").write_text(textwrap.dedent("""
+        from pydantic import BaseModel
+        from service.handlers import handler
+
+        class Paid(BaseModel):
+            amount: int
+
+        @handler("invoice.paid.typed")
+        async def paid(payload: Paid, conn) -> dict | None:
+            return None
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load_handler_modules(["typed_handlers_mod"])
+    spec = default_registry.get("invoice.paid.typed")
+    assert spec is not None and spec.model.__name__ == "Paid"
+    sys.modules.pop("typed_handlers_mod", None)
+
+
+def test_mypy_catches_a_handler_whose_payload_is_not_the_model(tmp_path) -> None:
+    """HandlerFn used to erase the payload type: @handler("t", A) on a function taking B
+    type-checked."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = tmp_path / "wrong_model.py"
+    src.write_text(textwrap.dedent("""
+        from typing import Any
+        from pydantic import BaseModel
+        from service.handlers import handler
+
+        class A(BaseModel):
+            a: int
+
+        class B(BaseModel):
+            b: int
+
+        @handler("t.right", A)
+        async def right(payload: A, conn: Any) -> dict[str, Any] | None:
+            return None
+
+        @handler("t.wrong", A)
+        async def wrong(payload: B, conn: Any) -> dict[str, Any] | None:
+            return None
+    """))
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent",
+         "--ignore-missing-imports", "--config-file=/dev/null", str(src)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MYPYPATH": str(root)})
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and "wrong_model.py:16" in errors[0], done.stdout
