@@ -3,7 +3,10 @@
 ``pytest`` loads the fixtures (``service.pytest_plugin``, entry point ``pytest11``); this module
 is what they are made of, usable without pytest too:
 
-- ``postgres_server()``: a throwaway PostgreSQL cluster (``initdb``) on a free loopback port;
+- ``postgres_server()``: a throwaway PostgreSQL cluster (``initdb``) on a free loopback port,
+  or ``ExistingPostgres(url)``: a server you already run (a CI service container, Docker on
+  macOS), which the pytest fixtures use when ``INGEST_TEST_DATABASE_URL`` is set;
+- ``message(type, payload)``: a message body as a producer would send it;
 - ``Runner(dsn).run(bodies)``: bodies through receive -> parse -> claim -> apply -> complete
   -> ack, with the real ``Store`` on that database and an in-memory queue
   (``service.testing.FakeQueue``); returns each message's ``Outcome``;
@@ -25,9 +28,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +43,13 @@ from service.handlers.registry import HandlerSpec, Registry, default_registry
 
 __all__ = [
     "FAILING_TYPE",
+    "ExistingPostgres",
     "Outcome",
     "Postgres",
     "Runner",
     "check_lands_once",
     "free_port",
+    "message",
     "postgres_server",
 ]
 
@@ -101,6 +107,41 @@ class Postgres:
         _run_as_postgres([_pg_bin("pg_ctl"), "-w", "-D", self.datadir, *args])
 
 
+@dataclass(frozen=True)
+class ExistingPostgres:
+    """A PostgreSQL server you already run, by URL (``postgresql://user:pass@host:port/db``).
+    The kit creates its template and per-test databases there and drops them afterwards, so
+    the role needs ``CREATEDB``; ``dsn()`` is the URL's own database (for the admin
+    statements), ``dsn(name)`` the same server and credentials with another database."""
+
+    url: str
+
+    def dsn(self, db: str | None = None) -> str:
+        if db is None:
+            return self.url
+        parts = urllib.parse.urlsplit(self.url)
+        return urllib.parse.urlunsplit(parts._replace(path="/" + db))
+
+
+def message(type_: str, payload: Mapping[str, Any] | BaseModel, *,
+            request_id: str | None = None, sent_at: str | None = None,
+            sns: bool = False) -> str:
+    """A message body as a producer sends it: the envelope ``{"request_id", "type",
+    "payload"}`` (a new request_id unless given; ``sent_at`` when given), as JSON; with
+    ``sns=True`` wrapped in an SNS Notification envelope, as SNS delivers it to SQS."""
+    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload)
+    envelope: dict[str, Any] = {"request_id": request_id or f"kit-{uuid.uuid4()}",
+                                "type": type_, "payload": data}
+    if sent_at is not None:
+        envelope["sent_at"] = sent_at
+    body = json.dumps(envelope)
+    if sns:
+        body = json.dumps({"Type": "Notification", "MessageId": str(uuid.uuid4()),
+                           "TopicArn": "arn:aws:sns:us-east-1:000000000000:kit",
+                           "Message": body})
+    return body
+
+
 @contextlib.contextmanager
 def postgres_server() -> Iterator[Postgres]:
     """Start a cluster from ``initdb`` on a free port; stop and delete it afterwards."""
@@ -123,7 +164,8 @@ def postgres_server() -> Iterator[Postgres]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-async def create_template(pg: Postgres, name: str, extra_sql: Sequence[str] = ()) -> None:
+async def create_template(pg: Postgres | ExistingPostgres, name: str,
+                          extra_sql: Sequence[str] = ()) -> None:
     """Create database ``name`` on ``pg``, migrated, with ``extra_sql`` run in it: the
     template each test's database is copied from (``CREATE DATABASE … TEMPLATE name``)."""
     from service.migrate import migrate  # the runner pulls in the CLI's dependencies
