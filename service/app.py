@@ -193,6 +193,7 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                                   allowed=settings.s3_buckets,
                                   expected_owner=settings.s3_expected_owner,
                                   unreadable_after=settings.s3_unreadable_after)
+            default_registry.envelope = settings.envelope  # an existing producer's layout
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
                             publisher=publisher, payloads=payloads,
                             max_message_bytes=int(attrs.get("MaximumMessageSize", 262144)))

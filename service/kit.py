@@ -254,7 +254,7 @@ class Runner:
             "AND sqs_message_id = ANY($1::text[])", ids)}
         out = []
         for mid, body in zip(ids, bodies, strict=True):
-            rid = _request_id(body)
+            rid = _request_id(body, self.registry)
             if mid in letters:
                 out.append(Outcome(mid, rid, "dead_lettered", reason=letters[mid]["reason"],
                                    error=letters[mid]["error"]))
@@ -269,7 +269,13 @@ class Runner:
         return out
 
 
-def _request_id(body: str) -> str | None:
+def _request_id(body: str, registry: Registry | None = None) -> str | None:
+    """The body's request_id as the daemon reads it (through the registry's envelope
+    mapping, when it has one)."""
+    if registry is not None and registry.envelope is not None:
+        from service.messages import Received, parse
+
+        return parse(Received("kit", "kit", body), registry).request_id
     try:
         doc = json.loads(body)
     except ValueError:

@@ -11,6 +11,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from service import attributes
+from service.envelope import STANDARD_ENVELOPE, Envelope
 from service.handlers.registry import Registry
 from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS, json_holds_nul
 from service.pointers import Fetched, Pointer
@@ -79,7 +80,8 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
     if isinstance(read, Poison):
         return read
     doc, envelope = read
-    fields = _fields(raw, doc)
+    mapping = registry.envelope if isinstance(registry.envelope, Envelope) else STANDARD_ENVELOPE
+    fields = _fields(raw, doc if mapping.standard else _mapped(mapping, doc, raw, envelope))
     if isinstance(fields, Poison):
         return fields
     request_id, mtype, payload, sent_at = fields
@@ -130,6 +132,20 @@ def _document(raw: Received, fetched: Fetched | None) -> tuple[Any, Any] | Poiso
         except orjson.JSONDecodeError as exc:
             return Poison(raw, "invalid_json", f"SNS Message: {exc}")
     return doc, envelope
+
+
+def _mapped(mapping: Envelope, doc: Any, raw: Received, envelope: Any) -> Any:
+    """The standard envelope of a document read through ``mapping``: the checks of
+    ``_fields`` (types, NUL, lengths) then apply to the mapped fields as to any other."""
+    if not isinstance(doc, dict):
+        return doc  # _fields says what is wrong with it
+    attrs = raw.message_attributes
+    request_id = mapping.request_id.read(doc, attrs, envelope)
+    if isinstance(request_id, int) and not isinstance(request_id, bool):
+        request_id = str(request_id)  # a producer's numeric key (order 1234)
+    return {"request_id": request_id, "type": mapping.type.read(doc, attrs, envelope),
+            "payload": mapping.payload.read(doc, attrs, envelope),
+            "sent_at": doc.get("sent_at")}
 
 
 def _fields(

@@ -95,6 +95,20 @@ def _s3_owner(v: str | None) -> str | None:
     return v or None
 
 
+def _envelope_source(v: str) -> str:
+    from service.envelope import Source
+
+    Source.parse(v)  # ValueError says what is accepted
+    return v
+
+
+def _envelope_type(v: str) -> str:
+    from service.envelope import Source
+
+    Source.parse(v, constant_allowed=True)
+    return v
+
+
 def _zero_or_at_least(minimum: float, zero: str, why: str) -> AfterValidator:
     """0 (which means ``zero``) or at least ``minimum``."""
 
@@ -196,6 +210,11 @@ class Settings(BaseSettings):
         s3_expected_owner: account id passed as ``ExpectedBucketOwner`` on every S3 call.
         s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
             committed and acked (default: keep it; expire it with a lifecycle rule).
+        envelope_request_id / envelope_type / envelope_payload: where an existing producer's
+            messages keep the request id, the type and the payload: a dotted path into the
+            body (``order.id``; ``.`` is the whole body), ``attribute:NAME`` (a message
+            attribute), or for the type ``const:TYPE`` (one type per queue). The defaults read
+            the standard envelope ``{"request_id", "type", "payload"}``.
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
             the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
@@ -259,6 +278,9 @@ class Settings(BaseSettings):
     dead_letter_retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
     reconcile_retention_days: float = Field(90.0, gt=0, le=MAX_RETENTION_DAYS)
     worker_retention_days: float = Field(7.0, gt=0, le=MAX_RETENTION_DAYS)
+    envelope_request_id: Annotated[str, AfterValidator(_envelope_source)] = "request_id"
+    envelope_type: Annotated[str, AfterValidator(_envelope_type)] = "type"
+    envelope_payload: Annotated[str, AfterValidator(_envelope_source)] = "payload"
 
     @model_validator(mode="before")
     @classmethod
@@ -334,6 +356,14 @@ class Settings(BaseSettings):
         Replicas x this must fit max_connections (README "Sizing"; tests/deploy)."""
         results = self.results_publishers + 1 if self.results_enabled else 0
         return self.db_pool_size + CONTROL_POOL_SIZE + results
+
+    @property
+    def envelope(self) -> Any:
+        """The ``service.messages.Envelope`` these settings describe."""
+        from service.envelope import Envelope
+
+        return Envelope.from_specs(self.envelope_request_id, self.envelope_type,
+                                   self.envelope_payload)
 
     @property
     def is_fifo(self) -> bool:

@@ -48,6 +48,9 @@ class HandlerLoadError(Exception):
 class Registry:
     def __init__(self) -> None:
         self._specs: dict[str, HandlerSpec] = {}
+        #: How bodies map to request_id, type and payload (``service.messages.Envelope``;
+        #: None: the standard envelope). Set from the settings by ``sqs-ingest run``.
+        self.envelope: object | None = None
 
     def register(self, type_: str, model: type[BaseModel], fn: HandlerFn) -> None:
         existing = self._specs.get(type_)
