@@ -29,9 +29,11 @@ Environment knobs: N (default 20000), NAIVE_N (default min(N, 5000): the naive l
 at a steady ~10 % of the others, 5,000 messages measure it as well as 20,000 do), LATENCY_MS
 (adds a ceiling + daemon pair through tests/faultproxy.FaultProxy injecting that delay on
 every SQS request), SOAK (seconds of steady load at SOAK_RATE msg/s, default 500;
-reports RSS at start and end), PROFILE=1 (one more daemon drain under ``py-spy record``,
+reports RSS at start and end), COSTS_N / COSTS_RATE / COSTS_SECONDS (the counted cost
+figures of the ``costs`` phase, bench/costs.py: a backlog of COSTS_N, default 3,000, and a
+trickle of COSTS_RATE msg/s, default 50, for COSTS_SECONDS, default 30), PROFILE=1 (one more daemon drain under ``py-spy record``,
 raw collapsed stacks + a summary), HOT_ENTITIES=K (every message writes one of K entities
-instead of its own: batches with several writes of one entity), PHASES (default ``ceiling,naive,daemon``; also
+instead of its own: batches with several writes of one entity), PHASES (default ``ceiling,naive,daemon,costs``; also
 ``compare``, ``results``, ``peer``). INGEST_*
 variables set in the environment reach the daemon (and the ceiling's concurrency), so
 settings can be compared: ``INGEST_POLLERS=8 make bench``.
@@ -1438,6 +1440,10 @@ def report(r: dict[str, Any]) -> str:
                      f"{sk['rss_min_mb']:.1f}/{sk['rss_max_mb']:.1f} MB; "
                      f"CPU/msg {sk['cpu_us_per_msg']:.0f} us; lag p50 "
                      f"{fmt(sk['lag_p50'], '.3f')} s, p99 {fmt(sk['lag_p99'], '.3f')} s")
+    if r.get("costs"):
+        import costs
+
+        lines.extend(costs.report(r["costs"]))
     if r.get("compare"):
         lines.extend(report_compare(r["compare"]))
     for key in ("results", "results_null"):
@@ -1464,7 +1470,7 @@ def main() -> int:
     ap.add_argument("--soak-rate", type=int, default=_env_int("SOAK_RATE", 500))
     ap.add_argument("--profile", action="store_true",
                     default=os.environ.get("PROFILE", "") not in ("", "0"))
-    ap.add_argument("--phases", default=os.environ.get("PHASES", "ceiling,naive,daemon"))
+    ap.add_argument("--phases", default=os.environ.get("PHASES", "ceiling,naive,daemon,costs"))
     ap.add_argument("--baseline", default=os.environ.get("BASELINE") or None,
                     help="git ref of the old code: adds the interleaved old-vs-new comparison")
     ap.add_argument("--candidate", default=os.environ.get("CANDIDATE") or None,
@@ -1517,6 +1523,12 @@ def main() -> int:
             step("naive", phase_naive, env, naive_n)
         if "daemon" in phases:
             step("daemon", phase_daemon, env, a.n, ls.url, "daemon")
+        if "costs" in phases:
+            import costs
+
+            print("bench: costs (backlog, then a trickle) ...", flush=True)
+            r["costs"] = costs.phase(sys.modules[__name__], env)
+            print("\n".join(costs.report(r["costs"])), flush=True)
         if old and new:
             step("compare", phase_compare, env, a.n, ls.url, old, new, a.rounds)
         if peer:

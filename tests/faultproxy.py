@@ -39,6 +39,8 @@ class FaultProxy:
         self.requests = 0
         #: requests being served now, by action (e.g. "ReceiveMessage": long polls in flight)
         self.in_flight: collections.Counter[str] = collections.Counter()
+        #: requests served, by action (the cost figures of ``make bench``: bench/costs.py)
+        self.by_action: collections.Counter[str] = collections.Counter()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -84,6 +86,7 @@ class FaultProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         action = request.headers.get("X-Amz-Target", "").rpartition(".")[2]
+        self.by_action[action] += 1
         self.in_flight[action] += 1
         try:
             return await self._serve(request)
