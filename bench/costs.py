@@ -101,7 +101,7 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
                 time.sleep(0.5)
             wait_until(lambda: tp.queue_depth(env.ls.url, url) == 0, 60, "the last acks")
             sqs1, pg1 = Counter(sqs.by_action), wire.counts()
-            wal = _one(direct, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)", wal0)
+            wal = _one(direct, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)", wal0)
             batches = _batches(tp, port) - batches0
             if sent:
                 res.update(_latency(direct, sent))
