@@ -187,6 +187,10 @@ class Settings(BaseSettings):
         s3_expected_owner: account id passed as ``ExpectedBucketOwner`` on every S3 call.
         s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
             committed and acked (default: keep it; expire it with a lifecycle rule).
+        migrate_lock_timeout: seconds a migration statement (``sqs-ingest migrate``) waits
+            for a lock before it gives up its place in the lock queue, so ingestion never
+            queues behind it; the migration is then tried again after a backoff.
+        migrate_attempts: tries of a migration refused its locks before migrate exits 1.
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
             the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
@@ -250,6 +254,8 @@ class Settings(BaseSettings):
     dead_letter_retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
     reconcile_retention_days: float = Field(90.0, gt=0, le=MAX_RETENTION_DAYS)
     worker_retention_days: float = Field(7.0, gt=0, le=MAX_RETENTION_DAYS)
+    migrate_lock_timeout: float = Field(5.0, ge=0.001, le=3600, allow_inf_nan=False)
+    migrate_attempts: int = Field(10, ge=1, le=1000)
 
     @model_validator(mode="before")
     @classmethod
