@@ -182,13 +182,11 @@ class StoreSeam(Protocol):
     async def check_schema(self) -> None:
         """Raise ``service.errors.SchemaBehind`` when a migration is missing."""
 
-    async def gc(
-        self, lease_seconds: float, name: str | None = None,
-        started_before: datetime | None = None,
-    ) -> Sequence[GcRow]:
+    async def gc(self, lease_seconds: float, name: str | None = None) -> Sequence[GcRow]:
         """Release the IN_PROGRESS claims of dead workers — heartbeat older than
-        ``lease_seconds``, stopped, or (with ``name`` and ``started_before``) this worker's
-        own previous incarnation — and return them. Never a live worker's claim."""
+        ``lease_seconds``, stopped, or (with ``name``) this worker's own previous
+        incarnation: a worker of that name registered before this one — and return them.
+        Never a live worker's claim."""
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
         """Release this worker's claims that no batch holds any more (not in ``holding``)

@@ -8,7 +8,6 @@ import os
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -208,14 +207,10 @@ class Store(PgOutbox):
             await conn.execute(Q["stop_worker"], self.worker_id)
         return len(released)
 
-    async def gc(
-        self, lease_seconds: float, name: str | None = None, started_before: datetime | None = None
-    ) -> list[asyncpg.Record]:
+    async def gc(self, lease_seconds: float, name: str | None = None) -> list[asyncpg.Record]:
         """Release claims of dead workers. Never touches a claim of a live worker."""
         async with connection(self.control) as conn:
-            rows = await conn.fetch(
-                Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
-            )
+            rows = await conn.fetch(Q["gc_orphans"], self.worker_id, lease_seconds, name)
             # Workers rows go in service.prune (INGEST_WORKER_RETENTION_DAYS).
             return list(rows)
 

@@ -317,13 +317,11 @@ class FakeStore(FakeOutbox):
         if self.db.schema_behind:
             raise SchemaBehind("fake database schema is behind")
 
-    async def gc(
-        self, lease_seconds: float, name: str | None = None,
-        started_before: datetime | None = None,
-    ) -> list[dict[str, Any]]:
+    async def gc(self, lease_seconds: float, name: str | None = None) -> list[dict[str, Any]]:
         self._check()
         now = time.monotonic()
-        before = started_before.timestamp() if started_before is not None else None
+        me = self.db.workers.get(self.worker_id)
+        before = me.started_at if me is not None else None
 
         def dead(owner: str) -> bool:
             w = self.db.workers.get(owner)

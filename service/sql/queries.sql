@@ -213,13 +213,15 @@ SELECT 1
 -- name: gc_orphans
 -- Release claims whose owner is dead: heartbeat older than the lease, stopped, unknown,
 -- or an earlier incarnation of a replica with the same explicit name ($3: only passed on
--- the startup pass, NULL afterwards).
+-- the startup pass, NULL afterwards): one that registered before this worker, both times
+-- read on the database's clock (a replica's own clock may be off by any amount).
 WITH dead AS (
     SELECT worker_id FROM workers
      WHERE worker_id <> $1
        AND (stopped_at IS NOT NULL
             OR heartbeat_at < now() - make_interval(secs => $2)
-            OR ($3::text IS NOT NULL AND worker_name = $3 AND started_at < $4))
+            OR ($3::text IS NOT NULL AND worker_name = $3
+                AND started_at < (SELECT started_at FROM workers WHERE worker_id = $1)))
 )
 DELETE FROM modifications
  WHERE id IN (
