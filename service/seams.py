@@ -225,7 +225,8 @@ class StoreSeam(Protocol):
     ) -> dict[str, int]:
         """Release the failed messages' claims and count each failure; those that reach
         ``max_failures`` are dead-lettered in the same transaction. Returns request_id →
-        failures so far."""
+        failures so far, only of the messages whose claim this call released: a failure
+        whose claim was gone (GC took it) is neither counted nor dead-lettered."""
 
 
 class OutboxSeam(Protocol):

@@ -293,14 +293,21 @@ class Store(PgOutbox):
         """Release the claims of failed messages and count the failure.
 
         Messages that reached ``max_failures`` are dead-lettered in the same transaction.
-        Returns request_id → failures so far.
+        Returns request_id → failures so far, only of the messages whose claim this call
+        released (one whose claim was gone is left out: neither counted nor dead-lettered).
         """
         if not failures:
             return {}
-        ids = [m.request_id for m, _ in failures]
         async with connection(self.pool) as conn, conn.transaction():
-            await conn.execute(Q["release"], *_release_args([m for m, _ in failures],
-                                                            self.worker_id))
+            released = {r["request_id"] for r in await conn.fetch(
+                Q["release"], *_release_args([m for m, _ in failures], self.worker_id))}
+            # A claim this batch no longer held (GC took it; another worker may have
+            # completed the request since) is not this batch's failure to count: counting
+            # it could dead-letter a request that also completed.
+            failures = [f for f in failures if f[0].request_id in released]
+            if not failures:
+                return {}
+            ids = [m.request_id for m, _ in failures]
             rows = await conn.fetch(Q["record_failures"], ids, [e for _, e in failures])
             counts: dict[str, int] = {r["request_id"]: r["failures"] for r in rows}
             exhausted = [

@@ -421,6 +421,9 @@ class FakeStore(FakeOutbox):
         self, failures: Sequence[tuple[Message, str]], max_failures: int
     ) -> dict[str, int]:
         self._check()
+        failures = [(m, err) for m, err in failures
+                    if _held_by(self.worker_id, row := self.db.rows.get(m.request_id))
+                    and row is not None and row.sqs_message_id == m.raw.message_id]
         await self.release([m for m, _ in failures])
         counts = {}
         for m, err in failures:

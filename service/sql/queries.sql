@@ -114,6 +114,7 @@ DELETE FROM modifications m
  USING unnest($1::text[], $3::text[]) AS u(request_id, sqs_message_id)
  WHERE m.request_id = u.request_id AND m.sqs_message_id = u.sqs_message_id
    AND m.owner = $2 AND m.status = 'IN_PROGRESS'
+RETURNING m.request_id
 
 -- name: record_failures
 INSERT INTO retry_attempts AS r (request_id, failures, last_error, updated_at)

@@ -764,6 +764,30 @@ async def test_startup_gc_reads_the_database_clock_not_the_local_one(
     assert owners == {"a-later-one": "w-later"}
 
 
+async def test_a_failure_whose_claim_gc_took_is_neither_counted_nor_dead_lettered(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """A's handler failed on SQS's last receive, but before A recorded it GC took A's claim
+    and B completed the request. A's release deletes nothing: A must not count the failure
+    nor dead-letter the request (one FAILED and one COMPLETED result for one request)."""
+    a = Store(pool, "w-a", results=True)
+    await a.register_worker("w-a")
+    b = Store(pool, "w-b", results=True)
+    await b.register_worker("w-b")
+    m = msg("r-taken")
+    await a.claim([m])
+    await db.execute("UPDATE workers SET stopped_at = now() WHERE worker_id = 'w-a'")
+    assert [r["request_id"] for r in await b.gc(lease_seconds=30)] == ["r-taken"]
+    await b.claim([m])
+    assert [x.request_id for x, _ in (await b.apply([m], ok_handler)).completed] == ["r-taken"]
+
+    assert await a.record_failures([(m, "RuntimeError: boom")], 1) == {}
+    assert await db.fetchval("SELECT count(*) FROM dead_letters") == 0
+    assert await db.fetchval("SELECT count(*) FROM retry_attempts") == 0
+    assert [r["status"] for r in await db.fetch(
+        "SELECT status FROM outbox WHERE request_id = 'r-taken'")] == ["COMPLETED"]
+
+
 async def test_a_batch_deadlock_that_keeps_coming_back_goes_one_by_one(pool: asyncpg.Pool) -> None:
     """A batch call that deadlocks every time is rerun as is MAX_RERUNS times, then the
     messages go one by one (the loop always ends)."""
