@@ -276,7 +276,7 @@ class Store(PgOutbox):
         if not letters:
             return
         async with connection(self.pool) as conn:
-            await conn.execute(self._dead_letter_q, *_dead_letter_args(letters, self.results))
+            await conn.execute(self._dead_letter_q, *_dead_letter_args(letters))
         if self.results:
             self.outbox_written.set()
 
@@ -316,7 +316,7 @@ class Store(PgOutbox):
                 if counts[m.request_id] >= max_failures
             ]
             if exhausted:
-                await conn.execute(self._dead_letter_q, *_dead_letter_args(exhausted, self.results))
+                await conn.execute(self._dead_letter_q, *_dead_letter_args(exhausted))
                 await conn.execute(Q["clear_attempts"], [d.request_id for d in exhausted])
         if exhausted and self.results:
             self.outbox_written.set()
@@ -514,9 +514,10 @@ def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:
     return [[m.request_id for m in messages], owner, [m.raw.message_id for m in messages]]
 
 
-def _dead_letter_args(letters: Sequence[DeadLetter], results: bool) -> list[list[Any]]:
-    """The dead-letter statement's arrays (with results on, its outbox rows' groups too)."""
-    args: list[list[Any]] = [
+def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:
+    """The dead-letter statement's arrays (the groups are kept with the letters and, with
+    results on, given to their outbox rows)."""
+    return [
         [d.sqs_message_id for d in letters],
         [d.body for d in letters],
         [d.reason for d in letters],
@@ -524,7 +525,5 @@ def _dead_letter_args(letters: Sequence[DeadLetter], results: bool) -> list[list
         [d.request_id for d in letters],
         [d.request_type for d in letters],
         [d.receive_count for d in letters],
+        [d.group_id for d in letters],
     ]
-    if results:
-        args.append([d.group_id for d in letters])
-    return args
