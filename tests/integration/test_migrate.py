@@ -187,7 +187,8 @@ async def test_a_migration_queued_behind_a_long_read_never_stalls_ingestion(
         await reader.execute("BEGIN; SELECT count(*) FROM modifications")  # still open
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "service", "migrate",
-            env=_migrate_env(dsn, INGEST_MIGRATE_LOCK_TIMEOUT="0.2",
+            # 1 s: each wait is long enough for the poll below to see it queued.
+            env=_migrate_env(dsn, INGEST_MIGRATE_LOCK_TIMEOUT="1",
                              INGEST_MIGRATE_ATTEMPTS="1000"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         await eventually(lambda: _waiting_for(watch, "modifications", "AccessExclusiveLock"),
@@ -197,7 +198,7 @@ async def test_a_migration_queued_behind_a_long_read_never_stalls_ingestion(
         await asyncio.wait_for(writer.execute(INSERT_CLAIM, "during-migrate"), 30)
         assert proc.returncode is None  # the read still holds it: migrate keeps trying
         await reader.execute("COMMIT")
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        out, err = await asyncio.wait_for(proc.communicate(), 90)
         assert proc.returncode == 0, err.decode()
         assert b'"event":"migration_lock_timeout"' in err
         assert b"005_fifo_order" in out
