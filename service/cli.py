@@ -235,14 +235,18 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _migrate(settings: Settings) -> int:
     import asyncpg
 
-    from service.errors import MigrationChanged
+    from service.errors import MigrationBlocked, MigrationChanged
     from service.migrate import migrate
     from service.secrets import safe
 
     try:
-        applied = await migrate(settings.database_dsn)
+        applied = await migrate(settings.database_dsn, settings.migrate_lock_timeout,
+                                settings.migrate_attempts)
     except MigrationChanged as exc:
         print(safe(f"sqs-ingest: migrate refused: {exc}"), file=sys.stderr)
+        return 1
+    except MigrationBlocked as exc:
+        print(safe(f"sqs-ingest: migrate failed: {exc}"), file=sys.stderr)
         return 1
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         print(safe(f"sqs-ingest: migrate failed on {settings.database_redacted}: "

@@ -84,6 +84,21 @@ class MigrationChanged(SchemaBehind):
         self.migration = migration
 
 
+class MigrationBlocked(Exception):
+    """A migration did not get its locks within ``lock_timeout`` in any of its attempts
+    (a long transaction held its table): nothing of it was applied."""
+
+    def __init__(self, migration: _Migration, attempts: int, lock_timeout: float,
+                 cause: BaseException) -> None:
+        super().__init__(
+            f"migration {migration.filename} did not get its locks within lock_timeout "
+            f"{lock_timeout:g} s in {attempts} attempt(s) ({cause}): a long transaction "
+            "holds its table; run migrate again later, or raise INGEST_MIGRATE_LOCK_TIMEOUT "
+            "/ INGEST_MIGRATE_ATTEMPTS"
+        )
+        self.migration = migration
+
+
 class ConfigError(Exception):
     """Bad or missing configuration: the CLI exits 2 with this one-line message."""
 

@@ -8,7 +8,6 @@ import asyncio
 import random
 import time
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
 
 import structlog
 
@@ -33,7 +32,6 @@ class Maintenance:
         store: StoreSeam,
         health: DatabaseHealth,
         holding: Iterable[str],
-        started_at: float,
         limit: ReceiveLimit,
         publisher: Publisher | None = None,
     ) -> None:
@@ -42,7 +40,6 @@ class Maintenance:
         self.store = store
         self.health = health
         self.holding = holding  # request_ids claimed by batches in flight (service.claims)
-        self.started_at = started_at
         self.publisher = publisher
         # The queue's RedrivePolicy, refreshed with the gauges (service.redrive).
         self.limit = limit
@@ -82,7 +79,6 @@ class Maintenance:
                 # "My previous incarnation" only makes sense at startup: later passes
                 # must never read a same-named live replica as dead.
                 (self.s.worker_name or None) if startup else None,
-                datetime.fromtimestamp(self.started_at, UTC),
             )
             leaks = await self.store.gc_own_leaks(list(self.holding))
         except DB_ERRORS as exc:

@@ -252,8 +252,11 @@ def settle_failures(
     committed by ``record_failures``) and acked."""
     plan = Plan()
     for m, err in failures:
-        n = counts[m.request_id]
-        if limit.exhausted(n, m.raw.receive_count):
+        n = counts.get(m.request_id)
+        if n is None:  # its claim was gone when it was recorded: not this batch's to count
+            log.warning("claim_lost", message_id=m.raw.message_id, request_id=m.request_id)
+            plan.defer(m.raw, policy.contention())
+        elif limit.exhausted(n, m.raw.receive_count):
             plan.ack(m.raw, m.type, "dead_lettered")
             plan.dead_letter_reasons.append("max_receives_exceeded")
             log.error("dead_lettered_after_retries", message_id=m.raw.message_id,

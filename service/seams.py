@@ -182,13 +182,11 @@ class StoreSeam(Protocol):
     async def check_schema(self) -> None:
         """Raise ``service.errors.SchemaBehind`` when a migration is missing."""
 
-    async def gc(
-        self, lease_seconds: float, name: str | None = None,
-        started_before: datetime | None = None,
-    ) -> Sequence[GcRow]:
+    async def gc(self, lease_seconds: float, name: str | None = None) -> Sequence[GcRow]:
         """Release the IN_PROGRESS claims of dead workers — heartbeat older than
-        ``lease_seconds``, stopped, or (with ``name`` and ``started_before``) this worker's
-        own previous incarnation — and return them. Never a live worker's claim."""
+        ``lease_seconds``, stopped, or (with ``name``) this worker's own previous
+        incarnation: a worker of that name registered before this one — and return them.
+        Never a live worker's claim."""
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
         """Release this worker's claims that no batch holds any more (not in ``holding``)
@@ -227,7 +225,8 @@ class StoreSeam(Protocol):
     ) -> dict[str, int]:
         """Release the failed messages' claims and count each failure; those that reach
         ``max_failures`` are dead-lettered in the same transaction. Returns request_id →
-        failures so far."""
+        failures so far, only of the messages whose claim this call released: a failure
+        whose claim was gone (GC took it) is neither counted nor dead-lettered."""
 
 
 class OutboxSeam(Protocol):

@@ -215,6 +215,10 @@ class Settings(BaseSettings):
             body (``order.id``; ``.`` is the whole body), ``attribute:NAME`` (a message
             attribute), or for the type ``const:TYPE`` (one type per queue). The defaults read
             the standard envelope ``{"request_id", "type", "payload"}``.
+        migrate_lock_timeout: seconds a migration statement (``sqs-ingest migrate``) waits
+            for a lock before it gives up its place in the lock queue, so ingestion never
+            queues behind it; the migration is then tried again after a backoff.
+        migrate_attempts: tries of a migration refused its locks before migrate exits 1.
         tracing: OpenTelemetry spans per message (needs the ``otel`` extra; exporter set by
             the standard ``OTEL_*`` variables); log lines then carry ``trace_id``.
     """
@@ -281,6 +285,8 @@ class Settings(BaseSettings):
     envelope_request_id: Annotated[str, AfterValidator(_envelope_source)] = "request_id"
     envelope_type: Annotated[str, AfterValidator(_envelope_type)] = "type"
     envelope_payload: Annotated[str, AfterValidator(_envelope_source)] = "payload"
+    migrate_lock_timeout: float = Field(5.0, ge=0.001, le=3600, allow_inf_nan=False)
+    migrate_attempts: int = Field(10, ge=1, le=1000)
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
+import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
@@ -19,6 +20,12 @@ from service.useragent import user_agent
 T = TypeVar("T")
 
 __all__ = ["QueueSeam", "SqsQueue", "sqs_client"]
+
+#: A DeleteMessageBatch that raised any of these may or may not have deleted: botocore's
+#: errors, and what aiohttp or the socket raise past it (a response cut off, a reset, a
+#: timeout — TimeoutError is an OSError). Each is an ack failure (exit 3), never a
+#: generic batch failure that would release messages whose outcome is committed.
+_ACK_ERRORS = (ClientError, BotoCoreError, aiohttp.ClientError, OSError)
 
 RECEIVE_ATTRIBUTES = [
     "ApproximateReceiveCount", "SentTimestamp", "MessageGroupId", "SequenceNumber"]
@@ -84,8 +91,9 @@ class SqsQueue:
                 resp = await self._client.delete_message_batch(
                     QueueUrl=self.queue_url, Entries=entries
                 )
-            except (ClientError, BotoCoreError) as exc:
-                raise AckFailed([m.message_id for m in chunk], str(exc)) from exc
+            except _ACK_ERRORS as exc:
+                raise AckFailed([m.message_id for m in chunk],
+                                str(exc) or type(exc).__name__) from exc
             failed = resp.get("Failed") or []
             if failed:
                 ids = [chunk[int(f["Id"])].message_id for f in failed]

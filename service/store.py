@@ -8,7 +8,6 @@ import os
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -208,14 +207,10 @@ class Store(PgOutbox):
             await conn.execute(Q["stop_worker"], self.worker_id)
         return len(released)
 
-    async def gc(
-        self, lease_seconds: float, name: str | None = None, started_before: datetime | None = None
-    ) -> list[asyncpg.Record]:
+    async def gc(self, lease_seconds: float, name: str | None = None) -> list[asyncpg.Record]:
         """Release claims of dead workers. Never touches a claim of a live worker."""
         async with connection(self.control) as conn:
-            rows = await conn.fetch(
-                Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
-            )
+            rows = await conn.fetch(Q["gc_orphans"], self.worker_id, lease_seconds, name)
             # Workers rows go in service.prune (INGEST_WORKER_RETENTION_DAYS).
             return list(rows)
 
@@ -281,7 +276,7 @@ class Store(PgOutbox):
         if not letters:
             return
         async with connection(self.pool) as conn:
-            await conn.execute(self._dead_letter_q, *_dead_letter_args(letters, self.results))
+            await conn.execute(self._dead_letter_q, *_dead_letter_args(letters))
         if self.results:
             self.outbox_written.set()
 
@@ -298,14 +293,21 @@ class Store(PgOutbox):
         """Release the claims of failed messages and count the failure.
 
         Messages that reached ``max_failures`` are dead-lettered in the same transaction.
-        Returns request_id → failures so far.
+        Returns request_id → failures so far, only of the messages whose claim this call
+        released (one whose claim was gone is left out: neither counted nor dead-lettered).
         """
         if not failures:
             return {}
-        ids = [m.request_id for m, _ in failures]
         async with connection(self.pool) as conn, conn.transaction():
-            await conn.execute(Q["release"], *_release_args([m for m, _ in failures],
-                                                            self.worker_id))
+            released = {r["request_id"] for r in await conn.fetch(
+                Q["release"], *_release_args([m for m, _ in failures], self.worker_id))}
+            # A claim this batch no longer held (GC took it; another worker may have
+            # completed the request since) is not this batch's failure to count: counting
+            # it could dead-letter a request that also completed.
+            failures = [f for f in failures if f[0].request_id in released]
+            if not failures:
+                return {}
+            ids = [m.request_id for m, _ in failures]
             rows = await conn.fetch(Q["record_failures"], ids, [e for _, e in failures])
             counts: dict[str, int] = {r["request_id"]: r["failures"] for r in rows}
             exhausted = [
@@ -314,7 +316,7 @@ class Store(PgOutbox):
                 if counts[m.request_id] >= max_failures
             ]
             if exhausted:
-                await conn.execute(self._dead_letter_q, *_dead_letter_args(exhausted, self.results))
+                await conn.execute(self._dead_letter_q, *_dead_letter_args(exhausted))
                 await conn.execute(Q["clear_attempts"], [d.request_id for d in exhausted])
         if exhausted and self.results:
             self.outbox_written.set()
@@ -512,9 +514,10 @@ def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:
     return [[m.request_id for m in messages], owner, [m.raw.message_id for m in messages]]
 
 
-def _dead_letter_args(letters: Sequence[DeadLetter], results: bool) -> list[list[Any]]:
-    """The dead-letter statement's arrays (with results on, its outbox rows' groups too)."""
-    args: list[list[Any]] = [
+def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:
+    """The dead-letter statement's arrays (the groups are kept with the letters and, with
+    results on, given to their outbox rows)."""
+    return [
         [d.sqs_message_id for d in letters],
         [d.body for d in letters],
         [d.reason for d in letters],
@@ -522,7 +525,5 @@ def _dead_letter_args(letters: Sequence[DeadLetter], results: bool) -> list[list
         [d.request_id for d in letters],
         [d.request_type for d in letters],
         [d.receive_count for d in letters],
+        [d.group_id for d in letters],
     ]
-    if results:
-        args.append([d.group_id for d in letters])
-    return args

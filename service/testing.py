@@ -317,13 +317,11 @@ class FakeStore(FakeOutbox):
         if self.db.schema_behind:
             raise SchemaBehind("fake database schema is behind")
 
-    async def gc(
-        self, lease_seconds: float, name: str | None = None,
-        started_before: datetime | None = None,
-    ) -> list[dict[str, Any]]:
+    async def gc(self, lease_seconds: float, name: str | None = None) -> list[dict[str, Any]]:
         self._check()
         now = time.monotonic()
-        before = started_before.timestamp() if started_before is not None else None
+        me = self.db.workers.get(self.worker_id)
+        before = me.started_at if me is not None else None
 
         def dead(owner: str) -> bool:
             w = self.db.workers.get(owner)
@@ -423,6 +421,9 @@ class FakeStore(FakeOutbox):
         self, failures: Sequence[tuple[Message, str]], max_failures: int
     ) -> dict[str, int]:
         self._check()
+        failures = [(m, err) for m, err in failures
+                    if _held_by(self.worker_id, row := self.db.rows.get(m.request_id))
+                    and row is not None and row.sqs_message_id == m.raw.message_id]
         await self.release([m for m, _ in failures])
         counts = {}
         for m, err in failures:

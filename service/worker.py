@@ -69,7 +69,6 @@ class Worker:
         self.store = store
         self.registry = registry
         self.visibility_timeout = visibility_timeout
-        self.started_at = time.time()
         self.exit_code = EXIT_OK
         self._stop = asyncio.Event()
         self._done = asyncio.Event()
@@ -91,7 +90,7 @@ class Worker:
             fatal=self._fatal, payloads=payloads, limit=self.limit, budget=self.budget,
         )
         self.maintenance = Maintenance(
-            settings, queue, store, self.health, self.batches.holding, self.started_at,
+            settings, queue, store, self.health, self.batches.holding,
             self.limit, publisher,
         )
         self.health.beat = self.maintenance.beat  # a row pruned in an outage: registered again

@@ -53,6 +53,7 @@ class Letter:
     receive_count: int | None
     received_at: datetime
     replayed_at: datetime | None
+    group_id: str | None  # the FIFO MessageGroupId it came with (NULL before migration 007)
 
     @classmethod
     def of(cls, r: asyncpg.Record) -> Letter:

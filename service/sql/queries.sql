@@ -114,6 +114,7 @@ DELETE FROM modifications m
  USING unnest($1::text[], $3::text[]) AS u(request_id, sqs_message_id)
  WHERE m.request_id = u.request_id AND m.sqs_message_id = u.sqs_message_id
    AND m.owner = $2 AND m.status = 'IN_PROGRESS'
+RETURNING m.request_id
 
 -- name: record_failures
 INSERT INTO retry_attempts AS r (request_id, failures, last_error, updated_at)
@@ -124,8 +125,9 @@ RETURNING request_id, failures
 
 -- name: dead_letter
 INSERT INTO dead_letters
-    (sqs_message_id, body, reason, error, request_id, request_type, receive_count)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[])
+    (sqs_message_id, body, reason, error, request_id, request_type, receive_count, group_id)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[],
+                     $8::text[])
 ON CONFLICT (sqs_message_id) DO NOTHING
 
 -- name: dead_letter_with_result
@@ -134,8 +136,9 @@ ON CONFLICT (sqs_message_id) DO NOTHING
 -- idempotency_key_reused: that key belongs to another request, whose result it is not.
 WITH ins AS (
     INSERT INTO dead_letters
-        (sqs_message_id, body, reason, error, request_id, request_type, receive_count)
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[])
+        (sqs_message_id, body, reason, error, request_id, request_type, receive_count, group_id)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[],
+                         $8::text[])
     ON CONFLICT (sqs_message_id) DO NOTHING
     RETURNING sqs_message_id, request_id, request_type, reason, received_at
 )
@@ -213,13 +216,15 @@ SELECT 1
 -- name: gc_orphans
 -- Release claims whose owner is dead: heartbeat older than the lease, stopped, unknown,
 -- or an earlier incarnation of a replica with the same explicit name ($3: only passed on
--- the startup pass, NULL afterwards).
+-- the startup pass, NULL afterwards): one that registered before this worker, both times
+-- read on the database's clock (a replica's own clock may be off by any amount).
 WITH dead AS (
     SELECT worker_id FROM workers
      WHERE worker_id <> $1
        AND (stopped_at IS NOT NULL
             OR heartbeat_at < now() - make_interval(secs => $2)
-            OR ($3::text IS NOT NULL AND worker_name = $3 AND started_at < $4))
+            OR ($3::text IS NOT NULL AND worker_name = $3
+                AND started_at < (SELECT started_at FROM workers WHERE worker_id = $1)))
 )
 DELETE FROM modifications
  WHERE id IN (
@@ -249,7 +254,7 @@ RETURNING request_id
 -- only when asked ($4); up to id $6 (what `replay --all` would send: --dry-run). No
 -- locks. A NULL limit ($5) is no limit.
 SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
-       received_at, replayed_at
+       received_at, replayed_at, group_id
   FROM dead_letters
  WHERE ($1::text IS NULL OR reason = $1)
    AND ($2::timestamptz IS NULL OR received_at >= $2)
@@ -263,21 +268,21 @@ SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receiv
 -- replayed_at IS NULL is in the locking query on purpose: a session that waited for the
 -- lock re-evaluates it on the committed row version and gets no row back.
 SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
-       received_at, replayed_at
+       received_at, replayed_at, group_id
   FROM dead_letters
  WHERE id = $1 AND replayed_at IS NULL
    FOR UPDATE
 
 -- name: dlq_find_one
 SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
-       received_at, replayed_at
+       received_at, replayed_at, group_id
   FROM dead_letters WHERE id = $1
 
 -- name: dlq_lock_batch
 -- SKIP LOCKED: concurrent `replay --all` runs split the rows instead of waiting for (and
 -- then double-sending) each other's. $2 bounds the run to the rows that existed at its start.
 SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receive_count,
-       received_at, replayed_at
+       received_at, replayed_at, group_id
   FROM dead_letters
  WHERE replayed_at IS NULL
    AND ($1::text IS NULL OR reason = $1)

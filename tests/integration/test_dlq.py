@@ -209,6 +209,8 @@ async def test_replay_to_fifo_queue_sets_group_and_dedup_id(
     db: asyncpg.Connection, database_url: str, fifo_queue_url: str, sqs_endpoint: str,
     sqs_client: Any,
 ) -> None:
+    """A letter stored without its group (before dead_letters kept it, or not from a FIFO
+    queue) goes to the group of its request_id, or dlq-replay."""
     with_rid = await add_letter(db, '{"request_id": "r-9"}', request_id="r-9")
     without = await add_letter(db, "junk", request_id=None)
     s = make_settings(fifo_queue_url, database_url, sqs_endpoint)
@@ -219,6 +221,29 @@ async def test_replay_to_fifo_queue_sets_group_and_dedup_id(
     assert got['{"request_id": "r-9"}']["MessageDeduplicationId"] == f"dlq-{with_rid}"
     assert got["junk"]["MessageGroupId"] == "dlq-replay"
     assert got["junk"]["MessageDeduplicationId"] == f"dlq-{without}"
+
+
+async def test_replay_to_fifo_queue_keeps_the_original_message_group(
+    db: asyncpg.Connection, database_url: str, fifo_queue_url: str, sqs_endpoint: str,
+    sqs_client: Any,
+) -> None:
+    """A FIFO message dead-lettered by the daemon goes back into the group it came from
+    (its followers and its replay stay in one order), not into a group named after it."""
+    from service.seams import DeadLetter
+    from service.store import Store, create_pool
+
+    pool = await create_pool(database_url, 2)
+    try:
+        await Store(pool, "w-dl").dead_letter([DeadLetter(
+            "m-poison", '{"request_id": "r-7"}', "unknown_type", "no handler", "r-7", "t", 1,
+            "orders-42")])
+    finally:
+        await pool.close()
+    s = make_settings(fifo_queue_url, database_url, sqs_endpoint)
+    assert await dlq.main(s, args("replay", "--all")) == 0
+    [m] = receive_all(sqs_client, fifo_queue_url, expect=1)
+    assert m["Body"] == '{"request_id": "r-7"}'
+    assert m["Attributes"]["MessageGroupId"] == "orders-42"
 
 
 async def test_replay_all_by_reason_then_everything(

@@ -574,7 +574,7 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
     s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
                  worker_name="replica-a")
     beat = Maintenance(s, None, a, SimpleNamespace(is_up=True),  # type: ignore[arg-type]
-                       [], 0.0, ReceiveLimit(5)).beat  # why: stand-ins for queue and health
+                       [], ReceiveLimit(5)).beat  # why: stand-ins for queue and health
     await db.execute("DELETE FROM workers WHERE worker_id = 'w-a'")
     await a.claim([msg("orphan-to-be")])
     await beat()
@@ -725,11 +725,67 @@ async def test_startup_gc_releases_an_earlier_incarnation_of_the_same_name(
     await other.claim([msg("theirs")])
     new = Store(pool, "w-new")
     await new.register_worker("replica-0")
-    started = await db.fetchval("SELECT started_at FROM workers WHERE worker_id = 'w-new'")
     assert await new.gc(lease_seconds=30) == []  # periodic pass: both look alive
-    released = await new.gc(lease_seconds=30, name="replica-0", started_before=started)
+    released = await new.gc(lease_seconds=30, name="replica-0")
     assert [r["request_id"] for r in released] == ["mine-before"]
     assert await db.fetchval("SELECT owner FROM modifications WHERE request_id='theirs'") == "w-other"
+
+
+@pytest.mark.parametrize("skew", [-3600.0, 3600.0])
+async def test_startup_gc_reads_the_database_clock_not_the_local_one(
+    pool: asyncpg.Pool, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """A replica whose clock is an hour behind the database's still frees its previous
+    incarnation's claims at startup; one an hour ahead never takes a same-named worker
+    that registered after it for an earlier incarnation."""
+    from types import SimpleNamespace
+
+    from service import worker as worker_module
+    from service.handlers import default_registry
+    from service.settings import Settings
+
+    old = Store(pool, "w-old")
+    await old.register_worker("replica-0")
+    await old.claim([msg("mine-before")])
+    clock = SimpleNamespace(time=lambda: time.time() + skew, monotonic=time.monotonic)
+    monkeypatch.setattr(worker_module, "time", clock)  # this process's wall clock only
+    new = Store(pool, "w-new")
+    await new.register_worker("replica-0")
+    later = Store(pool, "w-later")
+    await later.register_worker("replica-0")
+    await later.claim([msg("a-later-one")])
+    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+                 worker_name="replica-0")
+    # why the ignore below: startup GC never touches the queue
+    w = worker_module.Worker(s, None, new, default_registry,  # type: ignore[arg-type]
+                             visibility_timeout=30)
+    await w.maintenance.gc_once(startup=True)
+    owners = dict(await db.fetch("SELECT request_id, owner FROM modifications"))
+    assert owners == {"a-later-one": "w-later"}
+
+
+async def test_a_failure_whose_claim_gc_took_is_neither_counted_nor_dead_lettered(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """A's handler failed on SQS's last receive, but before A recorded it GC took A's claim
+    and B completed the request. A's release deletes nothing: A must not count the failure
+    nor dead-letter the request (one FAILED and one COMPLETED result for one request)."""
+    a = Store(pool, "w-a", results=True)
+    await a.register_worker("w-a")
+    b = Store(pool, "w-b", results=True)
+    await b.register_worker("w-b")
+    m = msg("r-taken")
+    await a.claim([m])
+    await db.execute("UPDATE workers SET stopped_at = now() WHERE worker_id = 'w-a'")
+    assert [r["request_id"] for r in await b.gc(lease_seconds=30)] == ["r-taken"]
+    await b.claim([m])
+    assert [x.request_id for x, _ in (await b.apply([m], ok_handler)).completed] == ["r-taken"]
+
+    assert await a.record_failures([(m, "RuntimeError: boom")], 1) == {}
+    assert await db.fetchval("SELECT count(*) FROM dead_letters") == 0
+    assert await db.fetchval("SELECT count(*) FROM retry_attempts") == 0
+    assert [r["status"] for r in await db.fetch(
+        "SELECT status FROM outbox WHERE request_id = 'r-taken'")] == ["COMPLETED"]
 
 
 async def test_a_batch_deadlock_that_keeps_coming_back_goes_one_by_one(pool: asyncpg.Pool) -> None:

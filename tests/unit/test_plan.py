@@ -187,6 +187,15 @@ def test_settle_failures_backs_off_then_acks_the_exhausted() -> None:
     assert plan.letters == []  # committed by record_failures already
 
 
+def test_a_failure_record_failures_did_not_count_is_a_lost_claim() -> None:
+    """Its claim was gone when the failure was recorded (GC took it): not counted, so
+    neither retried nor dead-lettered here; it comes back like any lost claim."""
+    lost = parsed("m1", "r1", receives=5)
+    plan = settle_failures([(lost, "boom")], {}, POLICY, ReceiveLimit(POLICY.max_failures))
+    assert (plan.acks, plan.releases, plan.dead_letter_reasons) == ([], [], [])
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("m1", POLICY.contention())]
+
+
 def test_describe_is_the_exception_type_and_text_capped_at_2000() -> None:
     from service.plan import describe
 

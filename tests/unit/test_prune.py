@@ -136,7 +136,7 @@ def maintenance(s: Settings, queue: Queue | None = None) -> Maintenance:
     store: Any = SimpleNamespace()
     # why the ignore below: stand-ins for the store and health
     return Maintenance(s, queue or Queue(), store, health,  # type: ignore[arg-type]
-                       collections.Counter(), 0.0, ReceiveLimit(s.max_receive_count))
+                       collections.Counter(), ReceiveLimit(s.max_receive_count))
 
 
 async def test_each_pass_checks_the_queue_s_retention_again(
