@@ -175,6 +175,8 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
             except RetentionRefused as exc:
                 return diagnose.report(diagnose.Diagnosis(str(exc), diagnose.EXIT_CONFIG))
         vt = _visibility_timeout(settings, attrs)
+        # Never linger a committed batch's delete past a tenth of its visibility timeout.
+        queue.delete_linger = min(settings.delete_linger, vt / 10)
         settings = named = await _named(settings)
         await _retry("database", lambda: store.register_worker(named.effective_worker_name),
                      state.stop)

@@ -163,6 +163,15 @@ class Settings(BaseSettings):
             each) make one batch: one claim and one completing transaction for all of
             them (1 = one receive per batch; FIFO queues always 1).
         wait_time_seconds: long-poll wait (SQS maximum 20).
+        receive_window: while receives bring some but fewer than 10 messages (a trickle),
+            the pollers' receives start at least receive_window / pollers apart, so that
+            messages gather in the queue and one receive (and one delete) serves several
+            (0 = no pacing). What it costs: a message may wait up to that spacing to be
+            received (125 ms at the defaults). A backlog and an idle queue are not paced.
+        delete_linger: seconds a small batch's delete may wait to share one
+            DeleteMessageBatch with other batches' (0 = delete each batch at once; capped at
+            a tenth of the visibility timeout). The outcome is committed before: a crash
+            in the linger means only a redelivery, answered as a duplicate.
         shutdown_timeout: seconds to finish in-flight work after SIGTERM.
         handlers: comma-separated modules imported at startup to register handlers.
         handler_timeout: seconds one handler call may take before it counts as a failure
@@ -242,6 +251,8 @@ class Settings(BaseSettings):
     max_inflight_batches: int = Field(0, ge=0, le=512)
     receives_per_batch: int = Field(3, ge=1, le=10)
     wait_time_seconds: int = Field(20, ge=0, le=20)
+    receive_window: float = Field(1.0, ge=0, le=20, allow_inf_nan=False)
+    delete_linger: float = Field(0.2, ge=0, le=5, allow_inf_nan=False)
     shutdown_timeout: float = Field(30.0, gt=0)
     handlers: str = ""
     handler_timeout: float = Field(600.0, ge=0)

@@ -12,6 +12,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import tracing
+from service.coalesce import DeleteCoalescer
 from service.errors import AckFailed, TransientError
 from service.messages import Received
 from service.seams import QueueSeam
@@ -34,9 +35,11 @@ RECEIVE_ATTRIBUTES = [
 class SqsQueue:
     """One SQS queue through an aiobotocore client."""
 
-    def __init__(self, client: Any, queue_url: str) -> None:
+    def __init__(self, client: Any, queue_url: str, delete_linger: float = 0.0) -> None:
         self._client = client
         self.queue_url = queue_url
+        # Small batches' deletes gathered into one call for up to delete_linger seconds.
+        self._deletes = DeleteCoalescer(self._delete_now, delete_linger)
 
     async def receive(
         self, max_messages: int = 10, wait_seconds: int = 20, visibility_timeout: int | None = None
@@ -80,7 +83,20 @@ class SqsQueue:
             )
         return out
 
+    @property
+    def delete_linger(self) -> float:
+        return self._deletes.linger
+
+    @delete_linger.setter
+    def delete_linger(self, seconds: float) -> None:
+        self._deletes.linger = seconds
+
     async def delete_batch(self, messages: Sequence[Received]) -> None:
+        """Delete ``messages`` (with other small batches' within the linger). Raises
+        AckFailed naming those of ``messages`` whose delete failed."""
+        await self._deletes.delete_batch(messages)
+
+    async def _delete_now(self, messages: Sequence[Received]) -> None:
         """Delete up to any number of messages, 10 per call. Raises AckFailed on any failure."""
         for start in range(0, len(messages), 10):
             chunk = messages[start : start + 10]

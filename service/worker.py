@@ -70,6 +70,8 @@ class Worker:
         self.registry = registry
         self.visibility_timeout = visibility_timeout
         self.exit_code = EXIT_OK
+        self._trickle = False  # the last receive brought some, not 10 (self._pace)
+        self._next_receive_at = 0.0
         self._stop = asyncio.Event()
         self._done = asyncio.Event()
         self._force = asyncio.Event()
@@ -226,6 +228,21 @@ class Worker:
 
     # -- receiving ---------------------------------------------------------------------
 
+    async def _pace(self) -> None:
+        """INGEST_RECEIVE_WINDOW: while receives come back with fewer than 10 messages (a
+        trickle), the pollers' receives start no closer together than window / pollers, so
+        that messages gather in the queue and one receive — and one delete — serves several
+        (a message waits at most that spacing to be received). A full or an empty receive
+        ends it: a backlog is drained flat out, and an idle queue is long-polled by every
+        poller, so the first message after a quiet spell is taken at once."""
+        if not self._trickle or self.s.receive_window <= 0:
+            return
+        now = time.monotonic()
+        at = max(now, self._next_receive_at)
+        self._next_receive_at = at + self.s.receive_window / self.s.pollers
+        if at > now:
+            await sleep_or_stop(at - now, self._stop)
+
     async def _poll_loop(self, index: int) -> None:
         backoff = Backoff(0.5, 30.0)
         while not self.stopping:
@@ -233,6 +250,9 @@ class Worker:
                 # Don't take messages we cannot persist.
                 await wait_any(self.health.up, self._stop)
                 continue
+            await self._pace()
+            if self.stopping:
+                break
             await self._slots.acquire()
             if self.stopping:
                 self._slots.release()
@@ -262,6 +282,7 @@ class Worker:
                                          lambda: not self.stopping and self.health.is_up)
             if not await self._dispatch(batch, owner):
                 break
+            self._trickle = 0 < len(batch) < 10
             if not batch:
                 # An empty answer that came at once (short polling, INGEST_WAIT_TIME_SECONDS=0):
                 # at most one receive a second per poller on an empty queue, not a hot loop

@@ -1,0 +1,104 @@
+"""DeleteCoalescer: small batches' deletes share one DeleteMessageBatch within the linger,
+and each caller is answered about its own messages only (a failed ack still stops the
+daemon: exit 3 for the batch whose message failed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from service.coalesce import DeleteCoalescer
+from service.errors import AckFailed
+from service.messages import Received
+
+
+def msgs(prefix: str, n: int) -> list[Received]:
+    return [Received(f"{prefix}{i}", f"h-{prefix}{i}", "{}") for i in range(n)]
+
+
+class Deletes:
+    def __init__(self, fail: set[str] | None = None, down: bool = False) -> None:
+        self.calls: list[list[str]] = []
+        self.fail = fail or set()
+        self.down = down
+
+    async def __call__(self, messages: Sequence[Received]) -> None:
+        ids = [m.message_id for m in messages]
+        self.calls.append(ids)
+        await asyncio.sleep(0)
+        if self.down:
+            raise AckFailed(ids, "connection reset")
+        bad = [i for i in ids if i in self.fail]
+        if bad:
+            raise AckFailed(bad, "ReceiptHandleIsInvalid")
+
+
+async def test_small_batches_within_the_linger_share_one_call() -> None:
+    d = Deletes()
+    c = DeleteCoalescer(d, linger=0.05)
+    await asyncio.gather(c.delete_batch(msgs("a", 2)), c.delete_batch(msgs("b", 3)))
+    assert d.calls == [["a0", "a1", "b0", "b1", "b2"]]
+
+
+async def test_ten_entries_go_at_once_and_never_more_than_ten_per_call() -> None:
+    d = Deletes()
+    c = DeleteCoalescer(d, linger=30)  # a flush that waited for the timer would hang
+    await asyncio.wait_for(asyncio.gather(*(c.delete_batch(msgs(p, 4)) for p in "abc")), 5)
+    assert sorted(len(call) for call in d.calls) == [4, 8]
+    assert all(len(call) <= 10 for call in d.calls)
+
+
+async def test_a_full_batch_is_deleted_directly() -> None:
+    d = Deletes()
+    c = DeleteCoalescer(d, linger=30)
+    await asyncio.wait_for(c.delete_batch(msgs("a", 10)), 5)
+    assert d.calls == [[f"a{i}" for i in range(10)]]
+
+
+async def test_each_caller_is_told_only_of_its_own_failed_messages() -> None:
+    d = Deletes(fail={"b1"})
+    c = DeleteCoalescer(d, linger=0.05)
+    ok, failed = await asyncio.gather(c.delete_batch(msgs("a", 2)), c.delete_batch(msgs("b", 2)),
+                                      return_exceptions=True)
+    assert ok is None
+    assert isinstance(failed, AckFailed) and failed.message_ids == ["b1"]
+
+
+async def test_a_failed_call_fails_every_caller_in_it() -> None:
+    c = DeleteCoalescer(Deletes(down=True), linger=0.05)
+    out = await asyncio.gather(c.delete_batch(msgs("a", 1)), c.delete_batch(msgs("b", 1)),
+                               return_exceptions=True)
+    assert [type(o) for o in out] == [AckFailed, AckFailed]
+    assert [o.message_ids for o in out] == [["a0"], ["b0"]]  # type: ignore[union-attr]
+
+
+async def test_a_cancelled_caller_s_committed_messages_are_still_deleted() -> None:
+    d = Deletes()
+    c = DeleteCoalescer(d, linger=0.05)
+    task = asyncio.create_task(c.delete_batch(msgs("a", 1)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await c.delete_batch(msgs("b", 1))
+    assert d.calls == [["a0", "b0"]]
+
+
+async def test_no_linger_deletes_each_batch_at_once() -> None:
+    d = Deletes()
+    c = DeleteCoalescer(d, linger=0)
+    await c.delete_batch(msgs("a", 1))
+    await c.delete_batch(msgs("b", 1))
+    assert d.calls == [["a0"], ["b0"]]
+
+
+async def test_drain_sends_what_lingers() -> None:
+    d = Deletes()
+    c = DeleteCoalescer(d, linger=30)
+    task = asyncio.create_task(c.delete_batch(msgs("a", 1)))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(c.drain(), 5)
+    await task
+    assert d.calls == [["a0"]]
