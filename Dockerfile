@@ -75,10 +75,13 @@ RUN mkdir -p /usr/share/man/man1 \
     && useradd --system --uid 10001 --gid ingest --home-dir /tmp --no-create-home \
        --shell /usr/sbin/nologin ingest
 COPY --from=builder-reconcile /opt/venv /opt/venv
+# The sidecar's metrics listen on every interface here (the scraper is outside the
+# container); run outside an image, they default to 127.0.0.1.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/tmp
+    HOME=/tmp \
+    INGEST_RECONCILE_METRICS_HOST=0.0.0.0
 # Spark writes scratch files under the working directory and java.io.tmpdir:
 # /tmp is the one writable place when the root filesystem is read-only.
 # The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and
@@ -97,10 +100,13 @@ RUN groupadd --system --gid 10001 ingest \
     && useradd --system --uid 10001 --gid ingest --home-dir /nonexistent --no-create-home \
        --shell /usr/sbin/nologin ingest
 COPY --from=builder /opt/venv /opt/venv
+# Probes and scrapes come from outside the container: every interface here (the daemon's
+# own default, outside an image, is 127.0.0.1).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    INGEST_HTTP_PORT=9102
+    INGEST_HTTP_PORT=9102 \
+    INGEST_HTTP_HOST=0.0.0.0
 # The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and
 # reconcile.txt concatenated (scripts/image.sh passes it; `docker image inspect` shows it).
 ARG LOCK_SHA256=unset

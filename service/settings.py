@@ -127,7 +127,7 @@ class Settings(BaseSettings):
         sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
         aws_region: region for the SQS client.
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
-        http_host: address the HTTP server binds.
+        http_host: address the HTTP server binds (default 127.0.0.1; the image: 0.0.0.0).
         visibility_timeout: seconds a received message stays hidden; 0 = use the
             queue's own ``VisibilityTimeout`` attribute, read at startup; else at least
             ``MIN_VISIBILITY_TIMEOUT`` (2).
@@ -201,7 +201,9 @@ class Settings(BaseSettings):
     sqs_endpoint_url: EndpointUrl = None
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
-    http_host: str = "0.0.0.0"
+    # Loopback: `make run` on a laptop is not reachable from the network. The image sets
+    # 0.0.0.0 in its own environment (Dockerfile), where probes and scrapes come from outside.
+    http_host: str = "127.0.0.1"
     visibility_timeout: Annotated[int, _zero_or_at_least(
         MIN_VISIBILITY_TIMEOUT, "the queue's own", "the heartbeat extends every half timeout",
     )] = Field(0, ge=0, le=SQS_MAX_VISIBILITY)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pushgateway", default=None, help="Prometheus Pushgateway URL")
     p.add_argument("--schedule", default=None, help='sidecar mode, e.g. "0 3 * * *" (UTC)')
     p.add_argument("--metrics-port", type=_positive(int), default=9103, help="sidecar metrics")
+    p.add_argument(
+        "--metrics-host",
+        default=os.environ.get("INGEST_RECONCILE_METRICS_HOST") or "127.0.0.1",
+        help="address the sidecar metrics bind (default: $INGEST_RECONCILE_METRICS_HOST, "
+        "else 127.0.0.1; the image sets 0.0.0.0)",
+    )
     p.add_argument("--log-format", choices=["json", "console"], default=None)
     return p
 
