@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         # "stop cleanly" (exit 0), not the default "die". app.run replaces them.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _remember_signal)
+    from service.secrets import safe, scrubbing_excepthook
+
+    sys.excepthook = scrubbing_excepthook  # an unforeseen traceback: no password in it
     if argv and argv[0] == "reconcile":
         from service.reconcile.cli import main as reconcile_main
 
         return reconcile_main(argv[1:])
     from service.errors import ConfigError
-    from service.secrets import safe, scrubbing_excepthook
-
-    sys.excepthook = scrubbing_excepthook  # an unforeseen traceback: no password in it
     args = _parser().parse_args(argv)
     try:
         settings = _settings_for(args)

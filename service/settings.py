@@ -417,7 +417,7 @@ def resolve_database_url(data: Mapping[str, object]) -> str | None:
     except secrets.DsnError as exc:
         secrets.remember(text)  # a password may sit anywhere in what we could not read
         raise ConfigError(f"configuration error: {var} {exc}") from None
-    secrets.remember(dsn.password)
+    secrets.remember_dsn(dsn)
     if pw_text is not None:
         user, password = _credentials(pw_var, pw_text)
         secrets.remember(password)

@@ -139,7 +139,7 @@ class Args:
             except secrets.DsnError as exc:
                 secrets.remember(text)
                 raise UsageError(f"configuration error: {label}: {exc}") from None
-            secrets.remember(dsn.password)
+            secrets.remember_dsn(dsn)
             return dsn.url()
 
         try:
