@@ -182,6 +182,12 @@ def _from_keywords(text: str) -> Dsn:
             raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
         values[m.group(1)] = raw
         pos = m.end()
+    if any(k not in LIBPQ_PARAMETERS for k in values):
+        # As in a URL: drivers send unknown parameters to the server (asyncpg's server
+        # settings, JDBC properties such as socketFactory). Not named: it may be the tail
+        # of an unquoted password.
+        raise DsnError("has a parameter libpq does not know (quote a password with spaces: "
+                       "password='…')")
     host = values.pop("host", "") or values.pop("hostaddr", "")
     port = values.pop("port", "")
     query = []

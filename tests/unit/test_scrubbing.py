@@ -190,3 +190,21 @@ def test_inert_keeps_printable_text_and_lines() -> None:
     text = "ünïcødé 名前 ✓ emoji 🎉"
     assert secrets.inert(text) == text
     assert secrets.inert("x\ny\tz", keep_lines=True) == "x\ny\tz"
+
+
+# --- key=value DSNs: the same parameter allow-list as URLs --------------------------------
+
+
+@pytest.mark.parametrize("key", ["socketFactory", "loggerFile", "search_path", "passwrd"])
+def test_key_value_dsn_refuses_parameters_libpq_does_not_know(key: str) -> None:
+    with pytest.raises(secrets.DsnError, match="libpq does not know"):
+        secrets.parse_dsn(f"host=db user=app dbname=x {key}=/tmp/evil")
+    with pytest.raises(secrets.DsnError, match="libpq does not know"):
+        secrets.parse_dsn(f"postgresql://app@db/x?{key}=/tmp/evil")
+
+
+def test_key_value_dsn_keeps_known_parameters() -> None:
+    dsn = secrets.parse_dsn("host=db port=5433 user=app dbname=x sslmode=verify-full "
+                            "sslrootcert=/etc/ssl/rds.pem application_name=ingest")
+    assert dict(dsn.query) == {"sslmode": "verify-full", "sslrootcert": "/etc/ssl/rds.pem",
+                               "application_name": "ingest"}
