@@ -63,6 +63,18 @@ class Dsn:
                    password if password is not None else self.password,
                    self.netloc, self.database, self.query, self.scheme)
 
+    def hosts(self) -> list[str]:
+        """Every host this string may connect to: the URL's host list and the ``host`` /
+        ``hostaddr`` parameters (a Unix socket directory starts with ``/``)."""
+        out = []
+        for part in self.netloc.split(",") if self.netloc else []:
+            host = part[1:part.index("]")] if part.startswith("[") else part.partition(":")[0]
+            out.append(unquote(host))
+        for key, value in self.query:
+            if key in ("host", "hostaddr"):
+                out += [h for h in value.split(",") if h]
+        return out
+
     def redacted(self) -> str:
         """``scheme://user@host:port/db``: no password, no query (it may carry one)."""
         host = self.netloc or dict(self.query).get("host", "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -124,6 +125,9 @@ class Settings(BaseSettings):
             ``{"username", "password"}``) override its credentials. Held canonical
             (percent-encoded); use :attr:`database_dsn` to connect and
             :attr:`database_redacted` to print.
+        database_tls: ``verify`` (default): a TCP connection to a host other than
+            loopback needs ``sslmode=verify-full`` (or ``verify-ca``) in the DSN, else exit
+            2; ``disable-verification`` accepts whatever sslmode the DSN has.
         sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
         aws_region: region for the SQS client.
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
@@ -198,6 +202,8 @@ class Settings(BaseSettings):
     database_url_file: Path | None = None
     database_password: SecretStr | None = None
     database_password_file: Path | None = None
+    database_tls: Annotated[Literal["verify", "disable-verification"],
+                            BeforeValidator(_lower)] = "verify"
     sqs_endpoint_url: EndpointUrl = None
     aws_region: str = "us-east-1"
     http_port: int = Field(9102, ge=0, le=65535)
@@ -264,6 +270,13 @@ class Settings(BaseSettings):
             else:
                 data["database_url"] = url
         return data
+
+    @model_validator(mode="after")
+    def _database_tls(self) -> Settings:
+        # After the fields: a bad INGEST_* value is reported as itself, not hidden behind this.
+        var = "INGEST_DATABASE_URL" + ("_FILE" if self.database_url_file else "")
+        check_database_tls(var, secrets.parse_dsn(self.database_dsn), self.database_tls)
+        return self
 
     @field_validator("results_queue_url")
     @classmethod
@@ -404,6 +417,45 @@ def _credentials(var: str, text: str) -> tuple[str | None, str]:
     return None, text
 
 
+#: INGEST_DATABASE_TLS: ``verify`` (default) refuses a TCP connection to a host other than
+#: loopback unless the DSN's sslmode checks the server's certificate; the opt-out keeps
+#: whatever the DSN says (a private network the operator vouches for).
+DATABASE_TLS = ("verify", "disable-verification")
+VERIFIED_SSLMODES = ("verify-ca", "verify-full")
+
+
+def _loopback(host: str) -> bool:
+    if host.startswith(("/", "@")) or host.lower() == "localhost":  # Unix socket, loopback
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_database_tls(var: str, dsn: secrets.Dsn, tls: str | None) -> None:
+    """ConfigError naming ``var`` when ``dsn`` reaches a host beyond loopback without a
+    verified certificate (sslmode below verify-ca, or none: libpq's and asyncpg's
+    ``prefer`` falls back to plain text and checks no certificate), unless ``tls`` is
+    ``disable-verification``."""
+    tls = (tls or "verify").lower()
+    if tls not in DATABASE_TLS:
+        raise ConfigError("configuration error: INGEST_DATABASE_TLS must be 'verify' or "
+                          "'disable-verification'")
+    mode = dict(dsn.query).get("sslmode")
+    if tls == "disable-verification" or mode in VERIFIED_SSLMODES:
+        return
+    remote = [h for h in dsn.hosts() if not _loopback(h)]
+    if remote:
+        said = f"sslmode={mode}" if mode in ("disable", "allow", "prefer", "require") else (
+            "no sslmode" if mode is None else "an unknown sslmode")
+        raise ConfigError(
+            f"configuration error: {var} reaches a host beyond loopback without checking "
+            f"its certificate ({said}): add sslmode=verify-full&sslrootcert=<CA bundle "
+            "path> (key=value: sslmode=verify-full sslrootcert=…), or set "
+            "INGEST_DATABASE_TLS=disable-verification to accept that")
+
+
 def resolve_database_url(data: Mapping[str, object]) -> str | None:
     """The canonical DSN from ``database_url`` / ``database_url_file`` and the password
     overrides (keys as in Settings). Every password seen is remembered for scrubbing;
@@ -437,7 +489,12 @@ def database_url_from_env(environ: Mapping[str, str] | None = None) -> str | Non
     [_FILE]`` alone (for commands that need no queue: reconcile)."""
     env = os.environ if environ is None else environ
     keys = ("database_url", "database_url_file", "database_password", "database_password_file")
-    return resolve_database_url({k: env.get(f"{ENV_PREFIX}{k.upper()}") for k in keys})
+    data = {k: env.get(f"{ENV_PREFIX}{k.upper()}") for k in keys}
+    url = resolve_database_url(data)
+    if url is not None:
+        var = "INGEST_DATABASE_URL" + ("_FILE" if data["database_url_file"] else "")
+        check_database_tls(var, secrets.parse_dsn(url), env.get("INGEST_DATABASE_TLS"))
+    return url
 
 
 def reconcile_peers_from_env(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -15,6 +15,7 @@ from service.reconcile.session import DEFAULT_JDBC_JAR
 from service.settings import (
     ConfigError,
     _read_secret_file,
+    check_database_tls,
     database_url_from_env,
     peer_lines,
     reconcile_peers_from_env,
@@ -140,6 +141,10 @@ class Args:
                 secrets.remember(text)
                 raise UsageError(f"configuration error: {label}: {exc}") from None
             secrets.remember_dsn(dsn)
+            try:
+                check_database_tls(label, dsn, os.environ.get("INGEST_DATABASE_TLS"))
+            except ConfigError as exc:
+                raise UsageError(str(exc)) from None
             return dsn.url()
 
         try:
