@@ -48,6 +48,13 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _retention(value: str) -> float:
+    days = _positive(float)(value)
+    if not days:  # 0 would delete the run just written
+        raise argparse.ArgumentTypeError(f"must be > 0: {value!r}")
+    return days
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sqs-ingest reconcile",
@@ -93,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("INGEST_RECONCILE_METRICS_HOST") or "127.0.0.1",
         help="address the sidecar metrics bind (default: $INGEST_RECONCILE_METRICS_HOST, "
         "else 127.0.0.1; the image sets 0.0.0.0)",
+    )
+    p.add_argument(
+        "--retention-days",
+        type=_retention,
+        default=os.environ.get("INGEST_RECONCILE_RETENTION_DAYS") or "90",
+        help="runs (and their discrepancies) finished longer ago are deleted after each run "
+        "(default: $INGEST_RECONCILE_RETENTION_DAYS, else 90)",
     )
     p.add_argument("--log-format", choices=["json", "console"], default=None)
     return p
