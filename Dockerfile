@@ -18,7 +18,8 @@ RUN python -m venv /opt/venv
 # Dependencies alone, before any code is copied: a code edit rebuilds one small layer, not
 # the dependency install (nor pyspark's half-gigabyte download). Exactly the locked
 # versions, each file checked against its hash (requirements/, `make lock`).
-COPY requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt /src/requirements/
+COPY requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt \
+     requirements/build.txt /src/requirements/
 RUN pip install --require-hashes -r /src/requirements/runtime.txt
 # Tracing (INGEST_TRACING=true, OTEL_* variables) works in the image; nothing of it is
 # imported while tracing is off. --build-arg WITH_OTEL=0 leaves it out (about 10 MB).
@@ -31,8 +32,12 @@ COPY pyproject.toml README.md ./
 COPY migrations ./migrations
 COPY service ./service
 # Our own wheel (migrations are force-included as service/migrations), into the venv that
-# is copied to the runtime.
-RUN pip wheel --no-deps --wheel-dir /dist . \
+# is copied to the runtime. Built by the locked backend (requirements/build.txt, hashed) in
+# a venv of its own, without build isolation: nothing is fetched unhashed, and the backend
+# never reaches the runtime image.
+RUN python -m venv /opt/build \
+    && /opt/build/bin/pip install --require-hashes -r /src/requirements/build.txt \
+    && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /dist . \
     && pip install --no-deps /dist/*.whl
 # Cut what the daemon never runs (README "Container figures"): pip and setuptools
 # (~26 MB) only install, and botocore ships a model for every AWS service (~27 MB) where
