@@ -102,3 +102,12 @@ def test_migrate_exits_2_with_one_line() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "INGEST_DATABASE_URL" in proc.stderr
+
+
+def test_the_reconcile_jdbc_connection_gets_the_same_tls_mode() -> None:
+    from service.reconcile.io import jdbc_target
+
+    url, props = jdbc_target(f"postgresql://app@db.example.invalid:5432/x?sslmode=verify-full&{CA}")
+    assert url == "jdbc:postgresql://db.example.invalid:5432/x"
+    assert props["sslmode"] == "verify-full"  # pgJDBC reads the libpq names
+    assert props["sslrootcert"] == "/etc/ssl/certs/rds-ca.pem"
