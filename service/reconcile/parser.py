@@ -93,14 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-discrepancies", type=_positive(int), default=100_000)
     p.add_argument("--output", default=None, help="directory for all discrepancies (JSON lines)")
     p.add_argument("--pushgateway", default=None, help="Prometheus Pushgateway URL")
-    p.add_argument("--schedule", default=None, help='sidecar mode, e.g. "0 3 * * *" (UTC)')
-    p.add_argument("--metrics-port", type=_positive(int), default=9103, help="sidecar metrics")
-    p.add_argument(
-        "--metrics-host",
-        default=os.environ.get("INGEST_RECONCILE_METRICS_HOST") or "127.0.0.1",
-        help="address the sidecar metrics bind (default: $INGEST_RECONCILE_METRICS_HOST, "
-        "else 127.0.0.1; the image sets 0.0.0.0)",
-    )
+    _sidecar_arguments(p)
     p.add_argument(
         "--retention-days",
         type=_retention,
@@ -110,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-format", choices=["json", "console"], default=None)
     return p
+
+
+def _sidecar_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", default=None, help='sidecar mode, e.g. "0 3 * * *" (UTC)')
+    p.add_argument("--metrics-port", type=_positive(int), default=9103, help="sidecar metrics")
+    p.add_argument(
+        "--metrics-host",
+        default=os.environ.get("INGEST_RECONCILE_METRICS_HOST") or "127.0.0.1",
+        help="address the sidecar metrics bind (default: $INGEST_RECONCILE_METRICS_HOST, "
+        "else 127.0.0.1; the image sets 0.0.0.0)",
+    )
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def test_egress_only_to_address_blocks_the_user_names() -> None:
             if ports == {53}:
                 continue  # kube-dns, by selector
             for peer in rule["to"]:
-                net = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+                net = ipaddress.IPv4Network(peer["ipBlock"]["cidr"])
                 # A documentation range: nothing is reached until the user names theirs.
-                assert any(net.subnet_of(ipaddress.ip_network(doc)) for doc in
+                assert any(net.subnet_of(ipaddress.IPv4Network(doc)) for doc in
                            ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")), net
