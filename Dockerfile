@@ -18,7 +18,8 @@ RUN python -m venv /opt/venv
 # Dependencies alone, before any code is copied: a code edit rebuilds one small layer, not
 # the dependency install (nor pyspark's half-gigabyte download). Exactly the locked
 # versions, each file checked against its hash (requirements/, `make lock`).
-COPY requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt /src/requirements/
+COPY requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt \
+     requirements/build.txt /src/requirements/
 RUN pip install --require-hashes -r /src/requirements/runtime.txt
 # Tracing (INGEST_TRACING=true, OTEL_* variables) works in the image; nothing of it is
 # imported while tracing is off. --build-arg WITH_OTEL=0 leaves it out (about 10 MB).
@@ -31,8 +32,12 @@ COPY pyproject.toml README.md ./
 COPY migrations ./migrations
 COPY service ./service
 # Our own wheel (migrations are force-included as service/migrations), into the venv that
-# is copied to the runtime.
-RUN pip wheel --no-deps --wheel-dir /dist . \
+# is copied to the runtime. Built by the locked backend (requirements/build.txt, hashed) in
+# a venv of its own, without build isolation: nothing is fetched unhashed, and the backend
+# never reaches the runtime image.
+RUN python -m venv /opt/build \
+    && /opt/build/bin/pip install --require-hashes -r /src/requirements/build.txt \
+    && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /dist . \
     && pip install --no-deps /dist/*.whl
 # Cut what the daemon never runs (README "Container figures"): pip and setuptools
 # (~26 MB) only install, and botocore ships a model for every AWS service (~27 MB) where
@@ -75,10 +80,13 @@ RUN mkdir -p /usr/share/man/man1 \
     && useradd --system --uid 10001 --gid ingest --home-dir /tmp --no-create-home \
        --shell /usr/sbin/nologin ingest
 COPY --from=builder-reconcile /opt/venv /opt/venv
+# The sidecar's metrics listen on every interface here (the scraper is outside the
+# container); run outside an image, they default to 127.0.0.1.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/tmp
+    HOME=/tmp \
+    INGEST_RECONCILE_METRICS_HOST=0.0.0.0
 # Spark writes scratch files under the working directory and java.io.tmpdir:
 # /tmp is the one writable place when the root filesystem is read-only.
 # The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and
@@ -97,10 +105,13 @@ RUN groupadd --system --gid 10001 ingest \
     && useradd --system --uid 10001 --gid ingest --home-dir /nonexistent --no-create-home \
        --shell /usr/sbin/nologin ingest
 COPY --from=builder /opt/venv /opt/venv
+# Probes and scrapes come from outside the container: every interface here (the daemon's
+# own default, outside an image, is 127.0.0.1).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    INGEST_HTTP_PORT=9102
+    INGEST_HTTP_PORT=9102 \
+    INGEST_HTTP_HOST=0.0.0.0
 # The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and
 # reconcile.txt concatenated (scripts/image.sh passes it; `docker image inspect` shows it).
 ARG LOCK_SHA256=unset

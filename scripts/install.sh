@@ -65,10 +65,14 @@ if [ "$PROFILE" = all ] && [ -d .venv ] && { [ ! -f "$full" ] || [ requirements/
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if [ "$PROFILE" = all ]; then
-  if [ ! -f "$full" ] || [ requirements/dev.txt -nt "$full" ] || [ pyproject.toml -nt "$full" ]; then
+  if [ ! -f "$full" ] || [ requirements/dev.txt -nt "$full" ] || [ requirements/build.txt -nt "$full" ] \
+     || [ pyproject.toml -nt "$full" ]; then
     touch .venv/.installed-any
     .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.txt
-    .venv/bin/python -m pip install -q --no-deps -e .
+    # The build backend from its lock, then the project built by it (no isolated build
+    # environment fetching an unhashed backend).
+    .venv/bin/python -m pip install -q --require-hashes -r requirements/build.txt
+    .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
     touch "$full"
   fi
 else
@@ -80,15 +84,18 @@ else
     # parsing index pages one project at a time (botocore's alone ~11 s); uv resolves and
     # downloads the same set in ~10 s (README "First run"). pip remains the fallback.
     uv=$(command -v uv || true)
-    if [ -z "$uv" ] && .venv/bin/python -m pip install -q uv==0.13.9 && .venv/bin/uv --version >/dev/null 2>&1; then
+    if [ -z "$uv" ] && .venv/bin/python -m pip install -q --require-hashes -r requirements/uv.txt \
+       && .venv/bin/uv --version >/dev/null 2>&1; then
       uv=.venv/bin/uv
     fi
     if [ -n "$uv" ]; then
       "$uv" pip install -q --python .venv/bin/python --require-hashes -r requirements/run.txt
-      "$uv" pip install -q --python .venv/bin/python --no-deps -e .
+      "$uv" pip install -q --python .venv/bin/python --require-hashes -r requirements/build.txt
+      "$uv" pip install -q --python .venv/bin/python --no-deps --no-build-isolation -e .
     else
       .venv/bin/python -m pip install -q --require-hashes -r requirements/run.txt
-      .venv/bin/python -m pip install -q --no-deps -e .
+      .venv/bin/python -m pip install -q --require-hashes -r requirements/build.txt
+      .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
     fi
     touch "$stamp"
   fi

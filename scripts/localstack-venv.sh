@@ -13,7 +13,6 @@ cd "$(dirname "$0")/.."
 VENV=${1:-.venv-localstack}
 VERSION=${2:-4.13.1}
 py=${3:-${LOCALSTACK_PYTHON:-python3}}
-PACKAGES=("localstack-core[runtime]==$VERSION" 'cbor2<6' 'pyopenssl<25' 'cryptography<45' service-identity)
 
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.localstack-version" 2>/dev/null)" = "$VERSION" ] \
    && "$VENV/bin/python" -c 'import localstack.runtime.main, localstack.aws.components' 2>/dev/null; then
@@ -22,12 +21,16 @@ fi
 echo "localstack-venv: creating $VENV (localstack-core $VERSION) with $("$py" --version 2>&1)"
 rm -rf "$VENV"
 "$py" -m venv "$VENV" || { apt-get install -y -qq python3-venv >/dev/null && "$py" -m venv "$VENV"; }
-LOCK=requirements/localstack.txt  # the tests' LocalStack, hashed (make lock): same every time
-if [ "$VERSION" = "$(sed -n 's/^localstack-core\[runtime\]==//p' requirements/localstack.in)" ]; then
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --require-hashes -r "$LOCK"
-else  # another release (make bench: 2026.3.0 on Python 3.13): resolved here, not locked
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
-fi
+# The tests' LocalStack or make bench's, each from its hashed lock (make lock): the same
+# every time. Another release needs its own lock (scripts/lock.sh) first.
+LOCK=
+for name in localstack localstack-bench; do
+  if [ "$VERSION" = "$(sed -n 's/^localstack-core\[runtime\]==//p' "requirements/$name.in")" ]; then
+    LOCK=requirements/$name.txt
+  fi
+done
+[ -n "$LOCK" ] || { echo "localstack-venv: no lock for localstack-core $VERSION (add one: scripts/lock.sh)" >&2; exit 2; }
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --require-hashes -r "$LOCK"
 # Importing the components is what fails on an interpreter too old for this release.
 "$VENV/bin/python" -c 'import localstack.runtime.main, localstack.aws.components'
 echo "$VERSION" > "$VENV/.localstack-version"

@@ -14,11 +14,12 @@
 # Target: CPython 3.11 on Debian 12 (glibc 2.36), as CI, make install and the image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-UV_VERSION=0.13.9
+UV_VERSION=$(sed -n 's/^uv==//p' requirements/uv.in)
 if [ ! -x .venv-lock/bin/uv ] || [ "$(.venv-lock/bin/uv --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
   rm -rf .venv-lock
   python3 -m venv .venv-lock
-  .venv-lock/bin/pip install -q "uv==${UV_VERSION}"
+  # uv itself by hash (requirements/uv.txt, written below from uv.in).
+  .venv-lock/bin/pip install -q --require-hashes -r requirements/uv.txt
 fi
 compile() {  # compile OUT [uv args...]
   local out=$1; shift
@@ -34,8 +35,17 @@ compile runtime.txt -c requirements/dev.txt
 compile run.txt --extra emulator -c requirements/dev.txt
 compile otel.txt --extra otel -c requirements/dev.txt
 compile reconcile.txt --extra reconcile -c requirements/dev.txt
-# The tests' LocalStack venv (scripts/localstack-venv.sh): its own resolution (its own botocore).
-.venv-lock/bin/uv pip compile -q --generate-hashes --python-version 3.11 \
-  --python-platform x86_64-manylinux_2_36 --no-header --custom-compile-command "make lock" \
-  ${LOCK_UPGRADE:+--upgrade} requirements/localstack.in -o requirements/localstack.txt
+# Sets of their own, each from its .in file: the build backend (pyproject.toml's
+# [build-system], agreeing with dev.txt), uv, the tests' LocalStack venv and make bench's
+# (scripts/localstack-venv.sh: their own resolutions, their own botocore).
+compile_in() {  # compile_in NAME PYTHON [uv args...]: requirements/NAME.in -> NAME.txt
+  local name=$1 python=$2; shift 2
+  .venv-lock/bin/uv pip compile -q --generate-hashes --python-version "$python" \
+    --python-platform x86_64-manylinux_2_36 --no-header --custom-compile-command "make lock" \
+    ${LOCK_UPGRADE:+--upgrade} "$@" "requirements/${name}.in" -o "requirements/${name}.txt"
+}
+compile_in build 3.11 -c requirements/dev.txt
+compile_in uv 3.11
+compile_in localstack 3.11
+compile_in localstack-bench 3.13
 echo "requirements/*.txt locked ($(grep -c '^[a-z0-9]' requirements/dev.txt) packages in dev.txt)"

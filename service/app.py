@@ -13,6 +13,7 @@ import structlog
 from aiobotocore.session import get_session
 
 from service import diagnose, metrics
+from service.envelope import Envelope
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.identity import ecs_worker_name
@@ -195,7 +196,8 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                                   allowed=settings.s3_buckets,
                                   expected_owner=settings.s3_expected_owner,
                                   unreadable_after=settings.s3_unreadable_after)
-            default_registry.envelope = settings.envelope  # an existing producer's layout
+            default_registry.envelope = Envelope.from_specs(  # an existing producer's layout
+                settings.envelope_request_id, settings.envelope_type, settings.envelope_payload)
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
                             publisher=publisher, payloads=payloads,
                             max_message_bytes=int(attrs.get("MaximumMessageSize", 262144)))

@@ -87,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         # "stop cleanly" (exit 0), not the default "die". app.run replaces them.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _remember_signal)
+    from service.secrets import safe, scrubbing_excepthook
+
+    sys.excepthook = scrubbing_excepthook  # an unforeseen traceback: no password in it
     if argv and argv[0] == "reconcile":
         from service.reconcile.cli import main as reconcile_main
 
         return reconcile_main(argv[1:])
     from service.errors import ConfigError
-    from service.secrets import safe, scrubbing_excepthook
-
-    sys.excepthook = scrubbing_excepthook  # an unforeseen traceback: no password in it
     args = _parser().parse_args(argv)
     try:
         settings = _settings_for(args)
@@ -175,12 +175,13 @@ def _settings_for(args: argparse.Namespace) -> Settings:
         return load_settings(queue_url=NO_QUEUE)
     # The database may also be given as a file (INGEST_DATABASE_URL_FILE).
     db_set = is_set("database_url", "database_url_file")
+    # The placeholder database is never reached: no TLS policy for it.
+    no_database = {"database_url": NO_DATABASE, "database_tls": "disable-verification"}
     if args.command in ("schema", "handlers"):  # read the registry only: no queue, no database
-        return load_settings(**{k: v for k, v, given in (
-            ("queue_url", NO_QUEUE, queue_set),
-            ("database_url", NO_DATABASE, db_set)) if not given})
+        return load_settings(**({} if queue_set else {"queue_url": NO_QUEUE}),
+                             **({} if db_set else no_database))
     if args.command == "redrive" and not db_set:
-        return load_settings(database_url=NO_DATABASE)  # SQS calls only
+        return load_settings(**no_database)  # SQS calls only
     return load_settings()
 
 

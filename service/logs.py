@@ -28,17 +28,21 @@ def _orjson_dumps_inert(obj: Any, default: Any = None) -> str:
 
 def configure_logging(fmt: str = "json", level: str = "info", trace_ids: bool = False) -> None:
     lvl = logging.getLevelNamesMapping()[level.upper()]
+    stamp: list[Any] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         *([tracing.log_trace_ids] if trace_ids else []),
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        *stamp,
     ]
     # Tracebacks without local variables: structlog's dict_tracebacks (and rich, in the
     # console renderer) print every frame's locals, where a DSN or a payload may sit.
     # Then every string of the event is scrubbed of the passwords this process knows.
+    render: list[Any]
     if fmt == "console":
-        processors += [
+        render = [
             structlog.processors.format_exc_info,  # plain text, no locals
             secrets.scrub_event,
             # Message data (request ids, errors) must not drive the operator's terminal.
@@ -46,17 +50,32 @@ def configure_logging(fmt: str = "json", level: str = "info", trace_ids: bool = 
             structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
         ]
     else:
-        processors += [
+        render = [
             structlog.processors.ExceptionRenderer(
                 ExceptionDictTransformer(show_locals=False)),
             secrets.scrub_event,
             structlog.processors.JSONRenderer(serializer=_orjson_dumps_inert),
         ]
     structlog.configure(
-        processors=processors,
+        processors=[*processors, *render],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    # Libraries (botocore, asyncpg) log through stdlib logging; keep them quiet and on stderr.
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(message)s")
+    # Libraries (botocore, asyncpg, asyncio) log through stdlib logging: their records go
+    # through the same scrubbing, escaping and rendering (a driver's error may quote the
+    # DSN, an asyncio "exception was never retrieved" a whole traceback), kept quiet.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *stamp],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
+    ))
+    handler.set_name(_HANDLER_NAME)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(lvl, logging.WARNING))
+
+
+_HANDLER_NAME = "sqs-ingest"

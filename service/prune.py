@@ -14,7 +14,10 @@ What goes, and when (each retention is a setting, README "Retention"):
 * ``dead_letters``: replayed ones, ``INGEST_DEAD_LETTER_RETENTION_DAYS`` after the replay;
   unreplayed ones stay until somebody looks at them.
 * ``reconciliation_discrepancies`` then ``reconciliation_runs``:
-  ``INGEST_RECONCILE_RETENTION_DAYS`` after the run finished.
+  ``INGEST_RECONCILE_RETENTION_DAYS`` after the run finished — by a role that may write
+  them (the owner, running ``sqs-ingest prune``); the app role may not (the checker's
+  evidence is the reconcile role's), so its passes skip them, and the reconcile job
+  deletes its own runs past that retention after each run.
 * ``workers``: ``INGEST_WORKER_RETENTION_DAYS`` after the last heartbeat, claims released.
 * ``outbox``: published rows ``INGEST_RESULTS_RETENTION_DAYS`` after publication.
 * ``payload_refusals``: a pointer's row ``INGEST_RETENTION_DAYS`` after S3 last refused it.
@@ -109,6 +112,10 @@ STEPS = (
 )
 
 
+#: Written by the reconcile role alone (deploy/sql/roles.sql).
+RECONCILE_TABLES = frozenset({"reconciliation_discrepancies", "reconciliation_runs"})
+
+
 async def delete_batch(conn: asyncpg.Connection, step: Step, settings: Settings,
                        limit: int) -> dict[str, int]:
     """One batch of ``step`` on ``conn`` (the caller owns the transaction): rows deleted
@@ -201,6 +208,10 @@ async def _pass(conn: asyncpg.Connection, settings: Settings,
     limit = settings.prune_batch_size
     started = time.monotonic()
     for step in STEPS:
+        if step.table in RECONCILE_TABLES and not await conn.fetchval(
+                "SELECT has_table_privilege($1, 'DELETE') AND has_table_privilege($1, 'UPDATE')",
+                step.table):
+            continue  # the reconcile role's evidence (roles.sql): its job prunes it
         while stop is None or not stop.is_set():
             async with conn.transaction():
                 deleted = await delete_batch(conn, step, settings, limit)

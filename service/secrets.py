@@ -63,6 +63,18 @@ class Dsn:
                    password if password is not None else self.password,
                    self.netloc, self.database, self.query, self.scheme)
 
+    def hosts(self) -> list[str]:
+        """Every host this string may connect to: the URL's host list and the ``host`` /
+        ``hostaddr`` parameters (a Unix socket directory starts with ``/``)."""
+        out = []
+        for part in self.netloc.split(",") if self.netloc else []:
+            host = part[1:part.index("]")] if part.startswith("[") else part.partition(":")[0]
+            out.append(unquote(host))
+        for key, value in self.query:
+            if key in ("host", "hostaddr"):
+                out += [h for h in value.split(",") if h]
+        return out
+
     def redacted(self) -> str:
         """``scheme://user@host:port/db``: no password, no query (it may carry one)."""
         host = self.netloc or dict(self.query).get("host", "")
@@ -103,13 +115,13 @@ def parse_dsn(text: str) -> Dsn:
 
 
 def _from_url(rest: str) -> Dsn:
-    strict = urlsplit(f"postgresql://{rest}")
     try:
+        strict = urlsplit(f"postgresql://{rest}")
         # A raw generated password cuts a URL short: at "#" (a fragment), at "/" or "?"
         # (the port becomes text, or "@" lands in the path or the query).
         well_formed = (not strict.fragment and "@" not in strict.path + strict.query
                        and (strict.port or 0) >= 0)
-    except ValueError:  # a port that is not a number
+    except ValueError:  # a port that is not a number; a raw "[" or "]" (an IPv6 bracket)
         well_formed = False
     if well_formed:
         userinfo, _, hostpart = strict.netloc.rpartition("@")
@@ -182,6 +194,12 @@ def _from_keywords(text: str) -> Dsn:
             raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
         values[m.group(1)] = raw
         pos = m.end()
+    if any(k not in LIBPQ_PARAMETERS for k in values):
+        # As in a URL: drivers send unknown parameters to the server (asyncpg's server
+        # settings, JDBC properties such as socketFactory). Not named: it may be the tail
+        # of an unquoted password.
+        raise DsnError("has a parameter libpq does not know (quote a password with spaces: "
+                       "password='…')")
     host = values.pop("host", "") or values.pop("hostaddr", "")
     port = values.pop("port", "")
     query = []
@@ -220,6 +238,13 @@ def remember(secret: str | None) -> None:
         _seen.update(_forms(secret))
 
 
+def remember_dsn(dsn: Dsn) -> None:
+    """Blank the secrets a parsed connection string carries: its password and the
+    ``sslpassword`` of its client key."""
+    remember(dsn.password)
+    remember(dict(dsn.query).get("sslpassword"))
+
+
 def scrub(text: str) -> str:
     for secret in sorted(_seen, key=len, reverse=True):
         if secret in text:
@@ -229,32 +254,47 @@ def scrub(text: str) -> str:
 
 # --- control characters from message data ------------------------------------------------
 
-# C0 and C1 controls, DEL, and the invisible/bidi format characters that reorder or hide
-# text on a terminal (Trojan Source): U+00AD, U+061C, U+200B-U+200F, U+2028-U+202E,
-# U+2060-U+2069, U+FEFF.
-_CONTROL = "\x7f-\x9f\u00ad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
-_UNSAFE = re.compile(f"[\x00-\x1f{_CONTROL}]")
-_UNSAFE_KEEP_LINES = re.compile(f"[\x00-\x08\x0b-\x1f{_CONTROL}]")  # keeps \t and \n
-_UNSAFE_IN_JSON = re.compile(f"[{_CONTROL}]")  # JSON escapes C0 itself
+# Every character str.isprintable() refuses: C0 and C1 controls, DEL, format characters
+# (bidi overrides of Trojan Source, zero-width and invisible tag characters U+E0000-E007F,
+# interlinear annotations U+FFF9-FFFB, U+180E), separators other than the space, surrogates,
+# private-use and unassigned code points: nothing a message carries may drive, reorder or
+# hide text on the operator's terminal.
 
 
-def _escape(m: re.Match[str]) -> str:
-    code = ord(m.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def _json_escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # JSON writes an astral character as a UTF-16 surrogate pair
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def inert(text: str, *, keep_lines: bool = False) -> str:
-    """``text`` with control and bidi characters written as ``\\xNN`` / ``\\uNNNN``.
+    """``text`` with every unprintable character written as ``\\xNN`` / ``\\uNNNN`` /
+    ``\\UNNNNNNNN``.
 
     ``keep_lines`` leaves newlines and tabs alone (a traceback in the console format).
     """
-    return (_UNSAFE_KEEP_LINES if keep_lines else _UNSAFE).sub(_escape, text)
+    if text.isprintable():
+        return text
+    keep = "\n\t" if keep_lines else ""
+    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
 
 
 def inert_json(text: str) -> str:
-    """JSON text with the characters JSON leaves raw (DEL, C1, bidi) written as ``\\uNNNN``
-    (valid JSON: such characters can only sit inside strings)."""
-    return _UNSAFE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    """JSON text with the unprintable characters JSON leaves raw (DEL, C1, format
+    characters, …) written as ``\\uNNNN`` (valid JSON: such characters can only sit
+    inside strings; JSON escapes C0 itself)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _json_escape(c) for c in text)
 
 
 def safe(text: str) -> str:

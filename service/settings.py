@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -146,11 +147,14 @@ class Settings(BaseSettings):
             RDS-managed / Secrets Manager JSON secret ``{"username", "password"}`` (its
             ``username``, when present, overrides the user too).
         database_password_file: the same, read from a file; setting both is exit 2.
+        database_tls: ``verify`` (default): a TCP connection to a host other than
+            loopback needs ``sslmode=verify-full`` (or ``verify-ca``) in the DSN, else exit
+            2; ``disable-verification`` accepts whatever sslmode the DSN has.
         sqs_endpoint_url: an emulator (LocalStack, moto) instead of AWS.
         aws_region: region of the AWS clients; unset: ``AWS_REGION`` or ``AWS_DEFAULT_REGION``
             (what ECS and IRSA inject), else the queue URL's region, else us-east-1.
         http_port: port of ``/metrics``, ``/healthz``, ``/readyz`` (0 disables).
-        http_host: address the HTTP server binds.
+        http_host: address the HTTP server binds (default 127.0.0.1; the image: 0.0.0.0).
         visibility_timeout: seconds a received message stays hidden; 0 = use the
             queue's own ``VisibilityTimeout`` attribute, read at startup; else at least
             ``MIN_VISIBILITY_TIMEOUT`` (2).
@@ -239,10 +243,14 @@ class Settings(BaseSettings):
     database_url_file: Path | None = None
     database_password: SecretStr | None = None
     database_password_file: Path | None = None
+    database_tls: Annotated[Literal["verify", "disable-verification"],
+                            BeforeValidator(_lower)] = "verify"
     sqs_endpoint_url: EndpointUrl = None
     aws_region: str = Field("", validate_default=True)
     http_port: int = Field(9102, ge=0, le=65535)
-    http_host: str = "0.0.0.0"
+    # Loopback: `make run` on a laptop is not reachable from the network. The image sets
+    # 0.0.0.0 in its own environment (Dockerfile), where probes and scrapes come from outside.
+    http_host: str = "127.0.0.1"
     visibility_timeout: Annotated[int, _zero_or_at_least(
         MIN_VISIBILITY_TIMEOUT, "the queue's own", "the heartbeat extends every half timeout",
     )] = Field(0, ge=0, le=SQS_MAX_VISIBILITY)
@@ -315,6 +323,12 @@ class Settings(BaseSettings):
     @classmethod
     def _region(cls, v: str, info: ValidationInfo) -> str:
         return v or default_region(str(info.data.get("queue_url") or ""))
+    @model_validator(mode="after")
+    def _database_tls(self) -> Settings:
+        # After the fields: a bad INGEST_* value is reported as itself, not hidden behind this.
+        var = "INGEST_DATABASE_URL" + ("_FILE" if self.database_url_file else "")
+        check_database_tls(var, secrets.parse_dsn(self.database_dsn), self.database_tls)
+        return self
 
     @field_validator("results_queue_url")
     @classmethod
@@ -375,14 +389,6 @@ class Settings(BaseSettings):
         return self.db_pool_size + CONTROL_POOL_SIZE + results
 
     @property
-    def envelope(self) -> Any:
-        """The ``service.messages.Envelope`` these settings describe."""
-        from service.envelope import Envelope
-
-        return Envelope.from_specs(self.envelope_request_id, self.envelope_type,
-                                   self.envelope_payload)
-
-    @property
     def is_fifo(self) -> bool:
         return self.queue_url.rstrip("/").endswith(".fifo")
 
@@ -400,8 +406,10 @@ class Settings(BaseSettings):
 
 
 #: ``INGEST_*`` variables read outside :class:`Settings`: the reconcile job's peers
-#: (:func:`reconcile_peers_from_env`). Variables of the test harness carry a prefix of theirs.
-OTHER_VARIABLES = ("INGEST_RECONCILE_PEER_URLS", "INGEST_RECONCILE_PEER_URLS_FILE")
+#: (:func:`reconcile_peers_from_env`) and its sidecar's metrics address. Variables of the
+#: test harness carry a prefix of theirs.
+OTHER_VARIABLES = ("INGEST_RECONCILE_PEER_URLS", "INGEST_RECONCILE_PEER_URLS_FILE",
+                   "INGEST_RECONCILE_METRICS_HOST")
 _HARNESS_PREFIXES = ("INGEST_TEST_", "INGEST_TESTS_", "INGEST_MUTANT_")
 
 
@@ -513,6 +521,45 @@ def _credentials(var: str, text: str) -> tuple[str | None, str]:
     return None, text
 
 
+#: INGEST_DATABASE_TLS: ``verify`` (default) refuses a TCP connection to a host other than
+#: loopback unless the DSN's sslmode checks the server's certificate; the opt-out keeps
+#: whatever the DSN says (a private network the operator vouches for).
+DATABASE_TLS = ("verify", "disable-verification")
+VERIFIED_SSLMODES = ("verify-ca", "verify-full")
+
+
+def _loopback(host: str) -> bool:
+    if host.startswith(("/", "@")) or host.lower() == "localhost":  # Unix socket, loopback
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_database_tls(var: str, dsn: secrets.Dsn, tls: str | None) -> None:
+    """ConfigError naming ``var`` when ``dsn`` reaches a host beyond loopback without a
+    verified certificate (sslmode below verify-ca, or none: libpq's and asyncpg's
+    ``prefer`` falls back to plain text and checks no certificate), unless ``tls`` is
+    ``disable-verification``."""
+    tls = (tls or "verify").lower()
+    if tls not in DATABASE_TLS:
+        raise ConfigError("configuration error: INGEST_DATABASE_TLS must be 'verify' or "
+                          "'disable-verification'")
+    mode = dict(dsn.query).get("sslmode")
+    if tls == "disable-verification" or mode in VERIFIED_SSLMODES:
+        return
+    remote = [h for h in dsn.hosts() if not _loopback(h)]
+    if remote:
+        said = f"sslmode={mode}" if mode in ("disable", "allow", "prefer", "require") else (
+            "no sslmode" if mode is None else "an unknown sslmode")
+        raise ConfigError(
+            f"configuration error: {var} reaches a host beyond loopback without checking "
+            f"its certificate ({said}): add sslmode=verify-full&sslrootcert=<CA bundle "
+            "path> (key=value: sslmode=verify-full sslrootcert=…), or set "
+            "INGEST_DATABASE_TLS=disable-verification to accept that")
+
+
 def resolve_database_url(data: Mapping[str, object]) -> str | None:
     """The canonical DSN from ``database_url`` / ``database_url_file`` and the password
     overrides (keys as in Settings). Every password seen is remembered for scrubbing;
@@ -526,7 +573,7 @@ def resolve_database_url(data: Mapping[str, object]) -> str | None:
     except secrets.DsnError as exc:
         secrets.remember(text)  # a password may sit anywhere in what we could not read
         raise ConfigError(f"configuration error: {var} {exc}") from None
-    secrets.remember(dsn.password)
+    secrets.remember_dsn(dsn)
     if pw_text is not None:
         user, password = _credentials(pw_var, pw_text)
         secrets.remember(password)
@@ -546,7 +593,12 @@ def database_url_from_env(environ: Mapping[str, str] | None = None) -> str | Non
     [_FILE]`` alone (for commands that need no queue: reconcile)."""
     env = os.environ if environ is None else environ
     keys = ("database_url", "database_url_file", "database_password", "database_password_file")
-    return resolve_database_url({k: env.get(f"{ENV_PREFIX}{k.upper()}") for k in keys})
+    data = {k: env.get(f"{ENV_PREFIX}{k.upper()}") for k in keys}
+    url = resolve_database_url(data)
+    if url is not None:
+        var = "INGEST_DATABASE_URL" + ("_FILE" if data["database_url_file"] else "")
+        check_database_tls(var, secrets.parse_dsn(url), env.get("INGEST_DATABASE_TLS"))
+    return url
 
 
 def reconcile_peers_from_env(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from service import __version__
+from service import __version__, secrets
 from service.messages import Message, Received
 
 NOOP: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -334,8 +334,16 @@ class _BatchTrace:
 
 
 def _fail(spans: list[Any], exc: BaseException) -> None:
+    import traceback
+
     from opentelemetry.trace import Status, StatusCode
 
+    # The exporter ships these off the host: a driver's error may quote the DSN, so the
+    # message and the stack trace are scrubbed as a log line would be.
+    message = secrets.safe(str(exc))
+    stacktrace = secrets.inert(secrets.scrub("".join(traceback.format_exception(exc))),
+                               keep_lines=True)
     for span in spans:
-        span.record_exception(exc)
-        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+        span.record_exception(exc, attributes={"exception.message": message,
+                                               "exception.stacktrace": stacktrace})
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {message}"[:200]))

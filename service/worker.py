@@ -70,9 +70,8 @@ class Worker:
         self.registry = registry
         self.visibility_timeout = visibility_timeout
         self.exit_code = EXIT_OK
-        self._trickle = False  # the last receive brought some, not 10 (self._pace)
-        self._next_receive_at = 0.0
         self._stop = asyncio.Event()
+        self.pacer = ReceivePacer(settings.receive_window, settings.pollers, self._stop)
         self._done = asyncio.Event()
         self._force = asyncio.Event()
         self._stop_requested_at = 0.0
@@ -228,21 +227,6 @@ class Worker:
 
     # -- receiving ---------------------------------------------------------------------
 
-    async def _pace(self) -> None:
-        """INGEST_RECEIVE_WINDOW: while receives come back with fewer than 10 messages (a
-        trickle), the pollers' receives start no closer together than window / pollers, so
-        that messages gather in the queue and one receive — and one delete — serves several
-        (a message waits at most that spacing to be received). A full or an empty receive
-        ends it: a backlog is drained flat out, and an idle queue is long-polled by every
-        poller, so the first message after a quiet spell is taken at once."""
-        if not self._trickle or self.s.receive_window <= 0:
-            return
-        now = time.monotonic()
-        at = max(now, self._next_receive_at)
-        self._next_receive_at = at + self.s.receive_window / self.s.pollers
-        if at > now:
-            await sleep_or_stop(at - now, self._stop)
-
     async def _poll_loop(self, index: int) -> None:
         backoff = Backoff(0.5, 30.0)
         while not self.stopping:
@@ -250,7 +234,7 @@ class Worker:
                 # Don't take messages we cannot persist.
                 await wait_any(self.health.up, self._stop)
                 continue
-            await self._pace()
+            await self.pacer.pace()
             if self.stopping:
                 break
             await self._slots.acquire()
@@ -282,7 +266,7 @@ class Worker:
                                          lambda: not self.stopping and self.health.is_up)
             if not await self._dispatch(batch, owner):
                 break
-            self._trickle = 0 < len(batch) < 10
+            self.pacer.trickle = 0 < len(batch) < 10
             if not batch:
                 # An empty answer that came at once (short polling, INGEST_WAIT_TIME_SECONDS=0):
                 # at most one receive a second per poller on an empty queue, not a hot loop
@@ -325,6 +309,30 @@ class Worker:
             # A bug outside the batch's own guard (BatchProcessor.run's set-up or clean-up):
             # never a silent "exception was never retrieved" — the daemon stops, exit 1.
             self._task_exited(task)
+
+
+class ReceivePacer:
+    """INGEST_RECEIVE_WINDOW: while receives come back with fewer than 10 messages (a
+    trickle), the pollers' receives start no closer together than window / pollers, so
+    that messages gather in the queue and one receive — and one delete — serves several
+    (a message waits at most that spacing to be received). A full or an empty receive ends
+    it: a backlog is drained flat out, and an idle queue is long-polled by every poller, so
+    the first message after a quiet spell is taken at once."""
+
+    def __init__(self, window: float, pollers: int, stop: asyncio.Event) -> None:
+        self.spacing = window / pollers
+        self.trickle = False  # the last receive brought some, not 10
+        self._next = 0.0
+        self._stop = stop
+
+    async def pace(self) -> None:
+        if not self.trickle or self.spacing <= 0:
+            return
+        now = time.monotonic()
+        at = max(now, self._next)
+        self._next = at + self.spacing
+        if at > now:
+            await sleep_or_stop(at - now, self._stop)
 
 
 def keep_bytes(budget: MemoryBudget, batch: list[Received], poll: object, owner: object) -> None:

@@ -2,8 +2,9 @@
 -- owns the database), connected to the target database, BEFORE the first migration and
 -- again AFTER every `sqs-ingest migrate` that adds a table (its grants are per table):
 --
---   PGOPTIONS='-c sqs_ingest.owner_password=... -c sqs_ingest.app_password=... \
---              -c sqs_ingest.reconcile_password=...' \
+--   PGOPTIONS="-c sqs_ingest.owner_password=$(scripts/scram-verifier.py < owner.pw) \
+--              -c sqs_ingest.app_password=$(scripts/scram-verifier.py < app.pw) \
+--              -c sqs_ingest.reconcile_password=$(scripts/scram-verifier.py < reconcile.pw)" \
 --     psql -v ON_ERROR_STOP=1 -d ingest -f deploy/sql/roles.sql
 --
 -- Three roles (README "Security": what each may do and why):
@@ -21,7 +22,11 @@
 -- anything else these roles were given on tables of the schema).
 -- Passwords are optional settings read from the session (PGOPTIONS as above, or
 -- `SET sqs_ingest.app_password = '...'` first); unset means "leave the password alone"
--- (for IAM/certificate auth, or passwords managed elsewhere).
+-- (for IAM/certificate auth, or passwords managed elsewhere). Each is a SCRAM-SHA-256
+-- verifier (`SCRAM-SHA-256$4096:salt$StoredKey:ServerKey`, made by scripts/scram-verifier.py
+-- from the password on its stdin), never the cleartext: PostgreSQL stores a verifier as it
+-- is, so the password reaches neither the server, its logs nor an error's context. A value
+-- that is not a verifier is refused without being echoed.
 
 -- ---------------------------------------------------------------- the roles
 DO $$
@@ -65,6 +70,11 @@ DECLARE
     app_pw   text := nullif(current_setting('sqs_ingest.app_password', true), '');
     rec_pw   text := nullif(current_setting('sqs_ingest.reconcile_password', true), '');
 BEGIN
+    IF owner_pw !~ '^SCRAM-SHA-256\$' OR app_pw !~ '^SCRAM-SHA-256\$'
+       OR rec_pw !~ '^SCRAM-SHA-256\$' THEN
+        RAISE EXCEPTION 'sqs_ingest.*_password must be a SCRAM-SHA-256 verifier, not a '
+            'cleartext password (scripts/scram-verifier.py makes one)';
+    END IF;
     IF owner_pw IS NOT NULL THEN
         EXECUTE format('ALTER ROLE sqs_ingest_owner PASSWORD %L', owner_pw);
     END IF;
@@ -118,12 +128,13 @@ REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM sqs_ingest_app, sqs_ingest_rec
 --   workers            registration, heartbeat, orphan GC, prune
 --   payload_refusals   the first time S3 refused a pointer (upsert: INSERT ... ON CONFLICT
 --                      DO UPDATE ... RETURNING), pruned once not refused for the retention
---   reconciliation_*   the daemon's pruner deletes old runs in batches (DELETE ... WHERE
---                      needs SELECT; the batch's FOR UPDATE SKIP LOCKED needs UPDATE)
+--   reconciliation_*   SELECT only (`prune --dry-run` counts): the checker's evidence is
+--                      written and pruned by the reconcile role alone
 --   ingest_schema_migrations  SELECT only: the schema check (/readyz, start-up)
 -- The reconcile role reads modifications, entities, entity_checkpoints (read-only
--- sessions) and replaces its date's results (DELETE + INSERT on reconciliation_runs; the
--- discrepancies cascade, run by PostgreSQL as the table owner; INSERT by COPY).
+-- sessions), replaces its date's results (DELETE + INSERT on reconciliation_runs; the
+-- discrepancies cascade, run by PostgreSQL as the table owner; INSERT by COPY) and
+-- deletes its runs past INGEST_RECONCILE_RETENTION_DAYS (the same cascade).
 DO $$
 DECLARE
     g record;
@@ -138,8 +149,8 @@ BEGIN
         ('sqs_ingest_app', 'outbox',                       'SELECT, INSERT, UPDATE, DELETE'),
         ('sqs_ingest_app', 'workers',                      'SELECT, INSERT, UPDATE, DELETE'),
         ('sqs_ingest_app', 'payload_refusals',             'SELECT, INSERT, UPDATE, DELETE'),
-        ('sqs_ingest_app', 'reconciliation_runs',          'SELECT, UPDATE, DELETE'),
-        ('sqs_ingest_app', 'reconciliation_discrepancies', 'SELECT, UPDATE, DELETE'),
+        ('sqs_ingest_app', 'reconciliation_runs',          'SELECT'),
+        ('sqs_ingest_app', 'reconciliation_discrepancies', 'SELECT'),
         ('sqs_ingest_app', 'ingest_schema_migrations',     'SELECT'),
         ('sqs_ingest_reconcile', 'modifications',                'SELECT'),
         ('sqs_ingest_reconcile', 'entities',                     'SELECT'),

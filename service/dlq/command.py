@@ -24,7 +24,7 @@ from service.dlq.letters import (
     replay_one,
 )
 from service.dlq.sender import sqs_sender
-from service.secrets import inert, inert_json, safe
+from service.secrets import inert, inert_json, safe, scrub
 from service.settings import Settings
 from service.sqs import sqs_client
 
@@ -134,7 +134,7 @@ def as_json(x: Letter) -> dict[str, Any]:
         "id": x.id,
         "sqs_message_id": x.sqs_message_id,
         "reason": x.reason,
-        "error": x.error,
+        "error": scrub(x.error) if x.error else x.error,  # a driver's error may quote a DSN
         "request_id": x.request_id,
         "request_type": x.request_type,
         "receive_count": x.receive_count,

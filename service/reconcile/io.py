@@ -331,6 +331,15 @@ async def write_results(conn: asyncpg.Connection, record: RunRecord) -> int:
     return run_id
 
 
+async def prune_runs(conn: asyncpg.Connection, retention_days: float) -> int:
+    """Delete the runs that finished more than ``retention_days`` ago (their discrepancies
+    cascade): the reconcile role alone writes these tables, so it prunes them too."""
+    status = await conn.execute(
+        "DELETE FROM reconciliation_runs WHERE finished_at < now() - make_interval(secs => $1)",
+        retention_days * 86_400.0)
+    return int(status.split()[-1])
+
+
 def window_range(window: Window, margin: timedelta) -> tuple[datetime, datetime]:
     """The range read for cross-database checks: the window plus a clock-skew margin."""
     return window.start - margin, window.end + margin

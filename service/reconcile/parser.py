@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -14,6 +15,7 @@ from service.reconcile.session import DEFAULT_JDBC_JAR
 from service.settings import (
     ConfigError,
     _read_secret_file,
+    check_database_tls,
     database_url_from_env,
     peer_lines,
     reconcile_peers_from_env,
@@ -44,6 +46,13 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         return n
 
     return parse
+
+
+def _retention(value: str) -> float:
+    days = _positive(float)(value)
+    if not days:  # 0 would delete the run just written
+        raise argparse.ArgumentTypeError(f"must be > 0: {value!r}")
+    return days
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-discrepancies", type=_positive(int), default=100_000)
     p.add_argument("--output", default=None, help="directory for all discrepancies (JSON lines)")
     p.add_argument("--pushgateway", default=None, help="Prometheus Pushgateway URL")
-    p.add_argument("--schedule", default=None, help='sidecar mode, e.g. "0 3 * * *" (UTC)')
-    p.add_argument("--metrics-port", type=_positive(int), default=9103, help="sidecar metrics")
+    _sidecar_arguments(p)
+    p.add_argument(
+        "--retention-days",
+        type=_retention,
+        default=os.environ.get("INGEST_RECONCILE_RETENTION_DAYS") or "90",
+        help="runs (and their discrepancies) finished longer ago are deleted after each run "
+        "(default: $INGEST_RECONCILE_RETENTION_DAYS, else 90)",
+    )
     p.add_argument("--log-format", choices=["json", "console"], default=None)
     return p
+
+
+def _sidecar_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", default=None, help='sidecar mode, e.g. "0 3 * * *" (UTC)')
+    p.add_argument("--metrics-port", type=_positive(int), default=9103, help="sidecar metrics")
+    p.add_argument(
+        "--metrics-host",
+        default=os.environ.get("INGEST_RECONCILE_METRICS_HOST") or "127.0.0.1",
+        help="address the sidecar metrics bind (default: $INGEST_RECONCILE_METRICS_HOST, "
+        "else 127.0.0.1; the image sets 0.0.0.0)",
+    )
 
 
 @dataclass(frozen=True)
@@ -132,7 +158,11 @@ class Args:
             except secrets.DsnError as exc:
                 secrets.remember(text)
                 raise UsageError(f"configuration error: {label}: {exc}") from None
-            secrets.remember(dsn.password)
+            secrets.remember_dsn(dsn)
+            try:
+                check_database_tls(label, dsn, os.environ.get("INGEST_DATABASE_TLS"))
+            except ConfigError as exc:
+                raise UsageError(str(exc)) from None
             return dsn.url()
 
         try:

@@ -135,6 +135,9 @@ class Runner:
                 discrepancies=result.discrepancies,
             ),
         )
+        pruned = await io.prune_runs(conn, self.args.ns.retention_days)
+        if pruned:
+            bound.info("reconcile_pruned", runs=pruned)
         return _Written(run_id, result)
 
     def _report(self, opts: JobOptions, written: _Written, duration: float, bound: Any) -> int:

@@ -43,7 +43,8 @@ async def sidecar(args: Args, metrics: RunMetrics) -> int:
     _validate(args)
     schedule = args.ns.schedule
     if args.ns.metrics_port:
-        start_http_server(args.ns.metrics_port, registry=metrics.registry)
+        start_http_server(args.ns.metrics_port, addr=args.ns.metrics_host,
+                          registry=metrics.registry)
     runner = Runner(args, metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

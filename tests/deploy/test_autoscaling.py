@@ -35,7 +35,7 @@ def settings_from(env: dict[str, str]) -> Any:
     """The daemon's settings for a manifest's INGEST_* environment (URLs as placeholders)."""
     fields = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}
     fields |= {"queue_url": "https://sqs.us-east-1.amazonaws.com/1/q",
-               "database_url": "postgresql://u@h/db"}
+               "database_url": "postgresql://u@h/db?sslmode=verify-full"}
     return load_settings(**fields)
 
 

@@ -290,12 +290,21 @@ def test_env_names_and_secret_keys_exist() -> None:
                     assert key_ref["name"] == "sqs-ingest-db", name
                     assert key_ref["key"] in secret_keys, name
     for name, pod in _pod_specs(objs):
+        # The DSN comes as a file: the key of sqs-ingest-db projected as database-url.
         db_env = {
-            e["valueFrom"]["secretKeyRef"]["key"]
-            for c in pod["containers"]
-            for e in c.get("env", [])
-            if e["name"] == "INGEST_DATABASE_URL"
+            item["key"]
+            for v in pod.get("volumes", []) if "projected" in v
+            for src in v["projected"]["sources"] if src.get("secret", {}).get("name")
+            == "sqs-ingest-db"
+            for item in src["secret"]["items"] if item["path"] == "database-url"
         }
+        for c in pod["containers"]:
+            names = {e["name"] for e in c.get("env", [])}
+            assert "INGEST_DATABASE_URL" not in names, name
+            assert "INGEST_DATABASE_URL_FILE" in names, name
+        for ref in (e.get("valueFrom", {}).get("secretKeyRef") for c in pod["containers"]
+                    for e in c.get("env", [])):
+            assert ref is None or ref["key"] in secret_keys, name
         # Only the migrate Job holds the DDL-capable owner role; the reconcile CronJob its own.
         expected = {"Job": "owner-database-url", "CronJob": "reconcile-database-url"}.get(
             name.split("/")[0], "app-database-url")

@@ -148,3 +148,20 @@ def test_wrong_password(forker: Forker, base_env: dict[str, str], pg_server: Pos
     _, out = check(forker, {**base_env, "INGEST_LOG_FORMAT": "console"}, forms[form], command)
     if command in ("run", "migrate"):  # the server did check this password and refused it
         assert "password authentication failed" in out, out
+
+
+# A generated password with raw IPv6 brackets: urlsplit raised ValueError on it, which
+# escaped parse_dsn (reconcile printed a traceback). Every command reads it, or refuses it
+# with one line, and prints none of it.
+BRACKETED = "Kx[4r]Tq#9"
+BRACKETED_FORMS = {BRACKETED, quote(BRACKETED, safe=""), "Kx[4", "4r]Tq", "Kx%5B4", "r%5DTq"}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_bracketed_password(forker: Forker, base_env: dict[str, str], command: str) -> None:
+    url = f"postgresql://app:{BRACKETED}@127.0.0.1:{free_port()}/postgres"
+    code, out = forker.run(COMMANDS[command], {**base_env, "INGEST_LOG_FORMAT": "json",
+                                               "INGEST_DATABASE_URL": url})
+    assert not {f for f in BRACKETED_FORMS if f in out}, out
+    assert "Traceback" not in out and "ValueError" not in out, out
+    assert code != 0 or command == "run", out

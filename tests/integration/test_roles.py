@@ -44,9 +44,11 @@ def cluster() -> Iterator[tuple[Postgres, str, str]]:
         subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q", "-d", pg.dsn(DB),
                         "-c", "CREATE TABLE other_app_orders (id int)"],
                        check=True, capture_output=True)
-        env = {**os.environ, "PGOPTIONS": f"-c sqs_ingest.owner_password={owner_pw} "
-                                          f"-c sqs_ingest.app_password={app_pw} "
-                                          f"-c sqs_ingest.reconcile_password={RECONCILE_PW}"}
+        # SCRAM verifiers (roles.sql refuses cleartext), made as its header says.
+        env = {**os.environ, "PGOPTIONS": f"-c sqs_ingest.owner_password={verifier_of(owner_pw)} "
+                                          f"-c sqs_ingest.app_password={verifier_of(app_pw)} "
+                                          f"-c sqs_ingest.reconcile_password="
+                                          f"{verifier_of(RECONCILE_PW)}"}
 
         def apply_roles() -> None:
             res = subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q",
@@ -69,6 +71,13 @@ def cluster() -> Iterator[tuple[Postgres, str, str]]:
 
 
 RECONCILE_PW = "rec-" + uuid.uuid4().hex
+SCRAM_VERIFIER = REPO / "scripts" / "scram-verifier.py"
+
+
+def verifier_of(password: str) -> str:
+    out = subprocess.run([sys.executable, str(SCRAM_VERIFIER)], input=password,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
 
 
 def role_dsn(pg: Postgres, role: str, password: str, db: str = DB) -> str:
@@ -265,8 +274,9 @@ EXPECTED = {
         "modifications": RW, "retry_attempts": RW, "dead_letters": RW, "outbox": RW,
         "workers": RW, "payload_refusals": RW, "entities": {"SELECT", "INSERT", "UPDATE"},
         "entity_checkpoints": {"SELECT", "INSERT", "UPDATE"},
-        "reconciliation_runs": {"SELECT", "UPDATE", "DELETE"},
-        "reconciliation_discrepancies": {"SELECT", "UPDATE", "DELETE"},
+        # The checker's evidence: the reconcile role alone writes (and prunes) it.
+        "reconciliation_runs": {"SELECT"},
+        "reconciliation_discrepancies": {"SELECT"},
         "ingest_schema_migrations": {"SELECT"},
     },
     "sqs_ingest_reconcile": {
@@ -319,6 +329,10 @@ async def test_app_role_cannot_touch_migrations_or_other_tables(
                     "INSERT INTO reconciliation_runs (run_date, window_start, window_end, status,"
                     " counts, started_at, finished_at) VALUES (current_date, now(), now(),"
                     " 'clean', '{}', now(), now())",
+                    "UPDATE reconciliation_runs SET status = 'clean'",
+                    "DELETE FROM reconciliation_runs",
+                    "UPDATE reconciliation_discrepancies SET kind = 'x'",
+                    "DELETE FROM reconciliation_discrepancies",
                     "DELETE FROM entities"):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute(sql)
@@ -448,3 +462,50 @@ async def test_grants_older_than_the_refusals_step_fail_the_pass_after_the_rest(
     finally:
         await admin.execute("GRANT DELETE ON payload_refusals TO sqs_ingest_app")
         await admin.close()
+
+
+async def test_old_runs_are_pruned_by_the_reconcile_role_not_the_app(
+    cluster: tuple[Postgres, str, str],
+) -> None:
+    """The app role's prune pass skips reconciliation_* (it may not write them) and still
+    prunes the rest; the reconcile job deletes its runs past the retention itself."""
+    from datetime import UTC, date, datetime, timedelta
+
+    from service.prune import prune_once
+    from service.reconcile import io
+    from service.settings import Settings
+
+    pg, _, app_pw = cluster
+    rec = await asyncpg.connect(role_dsn(pg, "sqs_ingest_reconcile", RECONCILE_PW))
+    try:
+        old = datetime.now(UTC) - timedelta(days=200)
+        await io.write_results(rec, io.RunRecord(
+            run_date=date(2020, 2, 2), window_start=old, window_end=old, status="clean",
+            counts={}, started_at=old, finished_at=old,
+            discrepancies=[("missing_in_peer", "r-old", None, "peer1", "{}")]))
+        dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
+        counts = await prune_once(dsn, Settings(queue_url="http://127.0.0.1:1/q",
+                                                database_url=dsn))
+        assert counts is not None and counts["reconciliation_runs"] == 0
+        assert await io.run_exists(rec, date(2020, 2, 2))
+        assert await io.prune_runs(rec, 90) >= 1
+        assert not await io.run_exists(rec, date(2020, 2, 2))
+        su = await asyncpg.connect(pg.dsn(DB))  # the reconcile role may not read them
+        try:
+            assert await su.fetchval("SELECT count(*) FROM reconciliation_discrepancies"
+                                     " WHERE request_id = 'r-old'") == 0
+        finally:
+            await su.close()
+    finally:
+        await rec.close()
+
+
+def test_roles_sql_refuses_a_cleartext_password(cluster: tuple[Postgres, str, str]) -> None:
+    pg, _, _ = cluster
+    cleartext = "clear-" + uuid.uuid4().hex
+    res = subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q", "-d", pg.dsn(DB),
+                          "-f", str(ROLES_SQL)], capture_output=True, text=True,
+                         env={**os.environ,
+                              "PGOPTIONS": f"-c sqs_ingest.app_password={cleartext}"})
+    assert res.returncode != 0 and "SCRAM-SHA-256 verifier" in res.stderr, res.stderr
+    assert cleartext not in res.stderr + res.stdout

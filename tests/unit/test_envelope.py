@@ -105,4 +105,6 @@ def test_bad_mapping_settings_exit_2_naming_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("INGEST_ENVELOPE_REQUEST_ID", "orderId")
     monkeypatch.setenv("INGEST_ENVELOPE_TYPE", "const:order.created")
     monkeypatch.setenv("INGEST_ENVELOPE_PAYLOAD", ".")
-    assert load_settings().envelope == Envelope.from_specs("orderId", "const:order.created", ".")
+    s = load_settings()
+    assert Envelope.from_specs(s.envelope_request_id, s.envelope_type, s.envelope_payload) \
+        == Envelope.from_specs("orderId", "const:order.created", ".")

@@ -5,12 +5,11 @@ are not paced. Virtual clock: the spacings asked for are recorded, nothing sleep
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
 from service import worker as worker_module
-from service.worker import Worker
+from service.worker import ReceivePacer
 
 
 @pytest.fixture
@@ -23,20 +22,21 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
         now[0] += seconds
         return False
 
-    monkeypatch.setattr(worker_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(worker_module.time, "monotonic", lambda: now[0])  # type: ignore[attr-defined]
     monkeypatch.setattr(worker_module, "sleep_or_stop", sleep_or_stop)
     return slept
 
 
-def poller(window: float = 1.0, pollers: int = 8, trickle: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(s=SimpleNamespace(receive_window=window, pollers=pollers),
-                           _trickle=trickle, _next_receive_at=0.0, _stop=asyncio.Event())
+def poller(window: float = 1.0, pollers: int = 8, trickle: bool = True) -> ReceivePacer:
+    pacer = ReceivePacer(window, pollers, asyncio.Event())
+    pacer.trickle = trickle
+    return pacer
 
 
 async def test_a_trickle_spaces_receives_window_over_pollers_apart(clock: list[float]) -> None:
     w = poller()
     for _ in range(4):  # four pollers asking at the same instant
-        await Worker._pace(w)  # type: ignore[arg-type]
+        await w.pace()
     # The first goes at once; each next one 1/8 s after the one before (the clock moved
     # on by the sleeps recorded, as the pollers' own sleeps would).
     assert clock == [0.125, 0.125, 0.125]
@@ -47,5 +47,5 @@ async def test_no_pacing_for_a_backlog_an_idle_queue_or_a_window_of_0(
         clock: list[float], trickle: bool, window: float) -> None:
     w = poller(window=window, trickle=trickle)
     for _ in range(4):
-        await Worker._pace(w)  # type: ignore[arg-type]
+        await w.pace()
     assert clock == []

@@ -71,7 +71,7 @@ def test_the_model_is_read_from_the_payload_annotation() -> None:
 def test_an_unannotated_handler_without_a_model_is_refused() -> None:
     from service.handlers.registry import payload_model
 
-    async def bare(payload, conn):  # type: ignore[no-untyped-def]
+    async def bare(payload, conn):
         return None
 
     with pytest.raises(TypeError, match=r"annotate its payload parameter.*@handler\('t', Model\)"):

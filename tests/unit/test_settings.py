@@ -8,7 +8,8 @@ import pytest
 
 from service.settings import ConfigError, load_settings, redact_dsn
 
-BASE = {"INGEST_QUEUE_URL": "http://127.0.0.1:1/q", "INGEST_DATABASE_URL": "postgresql://u@h/d"}
+BASE = {"INGEST_QUEUE_URL": "http://127.0.0.1:1/q", "INGEST_DATABASE_URL": "postgresql://u@h/d",
+        "INGEST_DATABASE_TLS": "disable-verification"}  # h is never reached
 
 
 def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
