@@ -142,7 +142,9 @@ class BatchProcessor:
         await flight.stop_extender()
         await self.executor.give_back(flight, delay, self.health.is_up, deferral)
 
-    async def _process(self, flight: InFlight, part: list[Received]) -> None:
+    async def _process(self, flight: InFlight, part: list[Received]) -> list[Received]:
+        """One round over ``part``; returns the messages left for a later round (their
+        payloads did not fit the memory budget): ``Bisection.settle`` runs it."""
         owner = flight.budget_owner if self.budget is not None else None
         rest, fetched, unread, later = await resolve_batch(
             self.payloads, self.store, self.policy, part, self.fifo, owner)
@@ -179,10 +181,9 @@ class BatchProcessor:
         if later:
             # Payloads that did not fit the memory budget: this round's are committed now,
             # their bytes go back, and the rest of the batch is resolved in another round.
-            del t, plan
             assert self.budget is not None
             self.budget.give(self.budget.holds(owner) - flight.body_bytes, owner)
-            await self._process(flight, later)
+        return later
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):
