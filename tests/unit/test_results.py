@@ -206,3 +206,25 @@ async def test_a_destination_that_takes_1_mib_gets_a_600_kb_result_whole_in_its_
     assert [[d["request_id"] for d in c] for c in docs] == [["r-0"], ["r-1"], ["r-2"]]
     assert docs[1][0]["result"] == {"blob": "x" * 600_000}
     assert "result_omitted" not in docs[1][0]
+
+
+def grouped(i: int, group: str) -> OutboxRow:
+    """A result of ~100 KB: two go in one call (the calls' limit is 256 KiB)."""
+    return OutboxRow(i, f"{group}{i}", "note", "COMPLETED", {"blob": "x" * 100_000}, None,
+                     datetime(2026, 11, 26, tzinfo=UTC), group)
+
+
+async def test_after_a_failed_entry_its_groups_later_rows_wait_for_the_next_round() -> None:
+    """A FIFO destination answers Failed for one entry: the later rows of its group (in the
+    later calls) are not sent before it; the other groups' rows go on."""
+    rows = [grouped(0, "g"), grouped(1, "g"), grouped(2, "g"), grouped(3, "h"),
+            grouped(4, "g"), grouped(5, "h")]
+    sink = FakeSinkCalls()
+    sink.fifo = True
+    sink.refuse_ids = {1}
+    pub = Publisher(FakeStore(results=True), sink)
+    assert await pub._send(rows) == {0, 3, 5}
+    assert [r.id for r in sink.sent] == [0, 3, 5]
+    sink.refuse_ids = set()  # the next round: the rest, in order
+    assert await pub._send([r for r in rows if r.id in {1, 2, 4}]) == {1, 2, 4}
+    assert [r.id for r in sink.sent] == [0, 3, 5, 1, 2, 4]
