@@ -34,6 +34,7 @@ from service.plan import (
     Plan,
     classify,
     describe,
+    letters_ahead,
     settle,
     settle_failures,
     triage,
@@ -161,14 +162,19 @@ class BatchProcessor:
             if c.unclaim:
                 await self.store.release(c.unclaim)
             plan.merge(c.plan)
-            if plan.letters and c.to_apply:
+            letters = plan.letters
+            if self.fifo and letters and c.to_apply:
+                # A group's results leave in its order: the letter of a follower of a
+                # message to apply is written after that one's commit (by carry_out).
+                letters = letters_ahead(letters, c.to_apply, self._positions(flight))
+            if letters and c.to_apply:
                 # Durable before any handler runs: a letter the database refuses must fail
                 # (and bisect) this part before its handlers' work is done and counted.
-                await self.executor.commit_letters(plan.letters, flight)
+                await self.executor.commit_letters(letters, flight)
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
         if self.fifo:
-            plan.hold_followers({m.message_id: i for i, m in enumerate(flight.batch)})
+            plan.hold_followers(self._positions(flight))
         back = [*plan.releases, *plan.deferrals]
         with tracing.step("settle", [*plan.acks, *(r for r, _ in back)]):
             await self.executor.carry_out(plan, flight)
@@ -184,6 +190,11 @@ class BatchProcessor:
             assert self.budget is not None
             self.budget.give(self.budget.holds(owner) - flight.body_bytes, owner)
         return later
+
+    @staticmethod
+    def _positions(flight: InFlight) -> dict[str, int]:
+        """Message id → its place in the batch as received (FIFO: its group's order)."""
+        return {m.message_id: i for i, m in enumerate(flight.batch)}
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):

@@ -26,7 +26,7 @@ _s3_log = structlog.get_logger("sqs_ingest.payloads")
 
 __all__ = [
     "INVALID_TYPE_LABEL", "ClaimPlan", "Plan", "Triage", "classify", "describe",
-    "plan_unresolved", "settle", "settle_failures", "triage",
+    "letters_ahead", "plan_unresolved", "settle", "settle_failures", "triage",
 ]
 
 
@@ -211,6 +211,22 @@ def hold_behind(
         floor[r.group_id] = delay
         out[i] = (r, delay)
     return out
+
+
+def letters_ahead(
+    letters: Sequence[DeadLetter], to_apply: Sequence[Message], position: Mapping[str, int]
+) -> list[DeadLetter]:
+    """FIFO: the dead letters no message to apply precedes in its group (by ``position``:
+    message id → place in the batch as received). Only those are written before the
+    handlers' commit; the others after it (``PlanExecutor.carry_out``), so that their
+    results follow the results of the messages ahead of them."""
+    first: dict[str, int] = {}
+    for m in to_apply:
+        if m.raw.group_id is not None:
+            at = position.get(m.raw.message_id, 0)
+            first[m.raw.group_id] = min(at, first.get(m.raw.group_id, at))
+    return [d for d in letters if d.group_id is None or d.group_id not in first
+            or position.get(d.sqs_message_id, 0) < first[d.group_id]]
 
 
 def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:

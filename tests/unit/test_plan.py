@@ -14,12 +14,13 @@ from service.plan import (
     Plan,
     classify,
     hold_behind,
+    letters_ahead,
     settle,
     settle_failures,
     triage,
 )
 from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import ApplyResult, ClaimResult
+from service.seams import ApplyResult, ClaimResult, DeadLetter
 
 POLICY = RetryPolicy(base_seconds=2, max_seconds=900, contention_seconds=4, max_failures=3,
                      rng=lambda: 0.0)
@@ -386,3 +387,18 @@ def test_plan_unresolved_without_refusal_ages_defers_every_refusal() -> None:
     plan = plan_unresolved([(raw("m1", "body", receives=1), denied)], {}, POLICY)
     assert [(r.message_id, d) for r, d in plan.deferrals] == [("m1", 1)]
     assert plan.letters == [] and plan.acks == []
+
+
+def test_a_followers_letter_waits_for_its_heads_commit() -> None:
+    """FIFO: only the dead letters no message to apply precedes in their group are written
+    before the handlers' commit (their results then leave in the group's order)."""
+    def letter(mid: str, group: str | None) -> DeadLetter:
+        return DeadLetter.of_received(raw(mid, "{", group=group), "invalid_json", "e")
+
+    position = {mid: i for i, mid in enumerate(["p0", "a1", "p2", "b3", "p4", "p5"])}
+    letters = [letter("p0", "g"), letter("p2", "g"), letter("p4", "h"), letter("p5", None)]
+    to_apply = [parsed("a1", "r1", group="g"), parsed("b3", "r3", group="h")]
+    # p0 is ahead of a1; p2 is behind a1 (same group); p4 is behind b3; p5 has no group.
+    assert [d.sqs_message_id for d in letters_ahead(letters, to_apply, position)] == [
+        "p0", "p5"]
+    assert letters_ahead(letters, [], position) == letters
