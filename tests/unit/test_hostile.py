@@ -467,6 +467,7 @@ class _RefusesBody:
         if any(r.body == self.refused for r in part):
             raise DataRejected("CharacterNotInRepertoireError: invalid byte sequence")
         flight.resolve(part)
+        return []
 
 
 async def test_a_message_that_does_not_parse_blamed_by_bisection_is_dead_lettered_whole(
