@@ -38,6 +38,7 @@ from service.plan import (
     settle,
     settle_failures,
     triage,
+    wait_behind_letters,
 )
 from service.resolve import resolve_batch
 from service.retry import ReceiveLimit, RetryPolicy
@@ -159,14 +160,20 @@ class BatchProcessor:
             with tracing.step("claim", t.primaries):
                 claims = await self.store.claim(t.primaries)
             c = classify(t.primaries, claims, self.policy, self.fifo)
+            if self.fifo and plan.letters:
+                # A group's results leave in its order (below): a message to apply behind
+                # a letter written after the commit waits for the next receive.
+                wait_behind_letters(c, plan.letters, self._positions(flight))
             if c.unclaim:
                 await self.store.release(c.unclaim)
             plan.merge(c.plan)
             letters = plan.letters
-            if self.fifo and letters and c.to_apply:
-                # A group's results leave in its order: the letter of a follower of a
-                # message to apply is written after that one's commit (by carry_out).
-                letters = letters_ahead(letters, c.to_apply, self._positions(flight))
+            if self.fifo and letters:
+                # A group's results leave in its order: a letter behind a message handed
+                # back waits with it; behind a message to apply, it is written after that
+                # one's commit (by carry_out).
+                plan.hold_letters(self._positions(flight), flight.lettered)
+                letters = letters_ahead(plan.letters, c.to_apply, self._positions(flight))
             if letters and c.to_apply:
                 # Durable before any handler runs: a letter the database refuses must fail
                 # (and bisect) this part before its handlers' work is done and counted.
@@ -174,6 +181,7 @@ class BatchProcessor:
             if c.to_apply:
                 plan.merge(await self._apply(c.to_apply))
         if self.fifo:
+            plan.hold_letters(self._positions(flight), flight.lettered)
             plan.hold_followers(self._positions(flight))
         back = [*plan.releases, *plan.deferrals]
         with tracing.step("settle", [*plan.acks, *(r for r, _ in back)]):

@@ -5,7 +5,6 @@ poison follower dead-lettered in the batch that completes its head."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from typing import Any
@@ -14,7 +13,7 @@ import asyncpg
 import boto3
 from pydantic import BaseModel
 
-from service.handlers import Registry
+from service.handlers import Registry, current_request_id
 from service.results import Publisher
 from service.sinks import SqsSink
 from service.sqs import SqsQueue, sqs_client
@@ -101,19 +100,27 @@ class Step(BaseModel):
     n: int
 
 
-async def test_a_poison_followers_result_leaves_after_its_heads(
-        sqs_endpoint: str, database_url: str, db: asyncpg.Connection) -> None:
-    """One group: a head that completes and a poison follower dead-lettered in the same
-    batch: the results queue gets the head's COMPLETED first, then the follower's FAILED."""
+POISON = {"n": "not a number"}  # fails validation: dead-lettered, a FAILED result
+
+
+async def results_of_one_group(sqs_endpoint: str, database_url: str, db: asyncpg.Connection,
+                               messages: list[tuple[str, dict[str, Any]]],
+                               fail_once: str | None = None) -> list[tuple[str, str]]:
+    """Send ``messages`` (request_id, payload) to one group of a FIFO queue, run the worker
+    with a publisher to a FIFO results queue until every result is published (the handler
+    of ``fail_once`` fails on its first call); the results in the queue's order."""
     sqs = boto3.client("sqs", endpoint_url=sqs_endpoint, region_name="us-east-1")
     source, results = fifo_queue(sqs), fifo_queue(sqs)
     reg = Registry()
+    failed: list[str] = []
 
     async def step(p: Step, conn: asyncpg.Connection) -> None:
-        return None
+        if current_request_id() == fail_once and not failed:
+            failed.append(fail_once)
+            raise RuntimeError("transient, once")
 
     reg.register("step", Step, step)
-    for rid, payload in (("head", {"n": 1}), ("follower", {"n": "not a number"})):
+    for rid, payload in messages:
         sqs.send_message(QueueUrl=source, MessageGroupId="g", MessageBody=json.dumps(
             {"request_id": rid, "type": "step", "payload": payload}))
     s = make_settings(source, database_url, sqs_endpoint, results_queue_url=results)
@@ -128,13 +135,42 @@ async def test_a_poison_followers_result_leaves_after_its_heads(
             try:
                 async def published() -> bool:
                     return await db.fetchval(
-                        "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == 2
-                await eventually(published, "both results published")
+                        "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL"
+                    ) == len(messages)
+                await eventually(published, "every result published")
             finally:
                 worker.request_stop()
-                with contextlib.suppress(asyncio.CancelledError):
-                    assert await asyncio.wait_for(task, 30) == 0
+                assert await asyncio.wait_for(task, 30) == 0
     finally:
         await pool.close()
-    assert results_in_order(sqs, results, 2) == [("head", "COMPLETED"), ("follower", "FAILED")]
+    assert failed == ([fail_once] if fail_once else [])
+    return results_in_order(sqs, results, len(messages))
 
+
+async def test_a_poison_followers_result_leaves_after_its_heads(
+        sqs_endpoint: str, database_url: str, db: asyncpg.Connection) -> None:
+    """A head that completes and a poison follower dead-lettered in the same batch: the
+    head's COMPLETED leaves first, then the follower's FAILED."""
+    got = await results_of_one_group(sqs_endpoint, database_url, db,
+                                     [("head", {"n": 1}), ("follower", POISON)])
+    assert got == [("head", "COMPLETED"), ("follower", "FAILED")]
+
+
+async def test_a_poison_message_between_two_heads_keeps_its_place(
+        sqs_endpoint: str, database_url: str, db: asyncpg.Connection) -> None:
+    """Valid, poison, valid in one batch: the results leave in that order (the second valid
+    one waits for the next receive rather than commit before the poison's letter)."""
+    got = await results_of_one_group(
+        sqs_endpoint, database_url, db,
+        [("first", {"n": 1}), ("poison", POISON), ("second", {"n": 2})])
+    assert got == [("first", "COMPLETED"), ("poison", "FAILED"), ("second", "COMPLETED")]
+
+
+async def test_a_poison_follower_waits_for_its_failed_head(
+        sqs_endpoint: str, database_url: str, db: asyncpg.Connection) -> None:
+    """The head's handler fails once (handed back): its poison follower is not
+    dead-lettered before it, so the head's COMPLETED still leaves first."""
+    got = await results_of_one_group(sqs_endpoint, database_url, db,
+                                     [("head", {"n": 1}), ("follower", POISON)],
+                                     fail_once="head")
+    assert got == [("head", "COMPLETED"), ("follower", "FAILED")]
