@@ -154,32 +154,7 @@ class BatchProcessor:
         del fetched  # parsed: the payloads' bytes are not held through the commit
         plan = t.plan if unread is None else t.plan.merge(unread)
         if t.primaries:
-            for m in t.primaries:
-                self.holding.hold(m.request_id)
-                flight.claimed.append(m)
-            with tracing.step("claim", t.primaries):
-                claims = await self.store.claim(t.primaries)
-            c = classify(t.primaries, claims, self.policy, self.fifo)
-            if self.fifo and plan.letters:
-                # A group's results leave in its order (below): a message to apply behind
-                # a letter written after the commit waits for the next receive.
-                wait_behind_letters(c, plan.letters, self._positions(flight))
-            if c.unclaim:
-                await self.store.release(c.unclaim)
-            plan.merge(c.plan)
-            letters = plan.letters
-            if self.fifo and letters:
-                # A group's results leave in its order: a letter behind a message handed
-                # back waits with it; behind a message to apply, it is written after that
-                # one's commit (by carry_out).
-                plan.hold_letters(self._positions(flight), flight.lettered)
-                letters = letters_ahead(plan.letters, c.to_apply, self._positions(flight))
-            if letters and c.to_apply:
-                # Durable before any handler runs: a letter the database refuses must fail
-                # (and bisect) this part before its handlers' work is done and counted.
-                await self.executor.commit_letters(letters, flight)
-            if c.to_apply:
-                plan.merge(await self._apply(c.to_apply))
+            await self._claim_and_apply(flight, t.primaries, plan)
         if self.fifo:
             plan.hold_letters(self._positions(flight), flight.lettered)
             plan.hold_followers(self._positions(flight))
@@ -198,6 +173,37 @@ class BatchProcessor:
             assert self.budget is not None
             self.budget.give(self.budget.holds(owner) - flight.body_bytes, owner)
         return later
+
+    async def _claim_and_apply(self, flight: InFlight, primaries: list[Message],
+                               plan: Plan) -> None:
+        """Claim ``primaries``, run the handlers of those claimed, and merge what was
+        decided into ``plan``."""
+        for m in primaries:
+            self.holding.hold(m.request_id)
+            flight.claimed.append(m)
+        with tracing.step("claim", primaries):
+            claims = await self.store.claim(primaries)
+        c = classify(primaries, claims, self.policy, self.fifo)
+        if self.fifo and plan.letters:
+            # A group's results leave in its order (below): a message to apply behind
+            # a letter written after the commit waits for the next receive.
+            wait_behind_letters(c, plan.letters, self._positions(flight))
+        if c.unclaim:
+            await self.store.release(c.unclaim)
+        plan.merge(c.plan)
+        letters = plan.letters
+        if self.fifo and letters:
+            # A group's results leave in its order: a letter behind a message handed
+            # back waits with it; behind a message to apply, it is written after that
+            # one's commit (by carry_out).
+            plan.hold_letters(self._positions(flight), flight.lettered)
+            letters = letters_ahead(plan.letters, c.to_apply, self._positions(flight))
+        if letters and c.to_apply:
+            # Durable before any handler runs: a letter the database refuses must fail
+            # (and bisect) this part before its handlers' work is done and counted.
+            await self.executor.commit_letters(letters, flight)
+        if c.to_apply:
+            plan.merge(await self._apply(c.to_apply))
 
     @staticmethod
     def _positions(flight: InFlight) -> dict[str, int]:
