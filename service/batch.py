@@ -34,9 +34,11 @@ from service.plan import (
     Plan,
     classify,
     describe,
+    letters_ahead,
     settle,
     settle_failures,
     triage,
+    wait_behind_letters,
 )
 from service.resolve import resolve_batch
 from service.retry import ReceiveLimit, RetryPolicy
@@ -142,7 +144,9 @@ class BatchProcessor:
         await flight.stop_extender()
         await self.executor.give_back(flight, delay, self.health.is_up, deferral)
 
-    async def _process(self, flight: InFlight, part: list[Received]) -> None:
+    async def _process(self, flight: InFlight, part: list[Received]) -> list[Received]:
+        """One round over ``part``; returns the messages left for a later round (their
+        payloads did not fit the memory budget): ``Bisection.settle`` runs it."""
         owner = flight.budget_owner if self.budget is not None else None
         rest, fetched, unread, later = await resolve_batch(
             self.payloads, self.store, self.policy, part, self.fifo, owner)
@@ -150,23 +154,10 @@ class BatchProcessor:
         del fetched  # parsed: the payloads' bytes are not held through the commit
         plan = t.plan if unread is None else t.plan.merge(unread)
         if t.primaries:
-            for m in t.primaries:
-                self.holding.hold(m.request_id)
-                flight.claimed.append(m)
-            with tracing.step("claim", t.primaries):
-                claims = await self.store.claim(t.primaries)
-            c = classify(t.primaries, claims, self.policy, self.fifo)
-            if c.unclaim:
-                await self.store.release(c.unclaim)
-            plan.merge(c.plan)
-            if plan.letters and c.to_apply:
-                # Durable before any handler runs: a letter the database refuses must fail
-                # (and bisect) this part before its handlers' work is done and counted.
-                await self.executor.commit_letters(plan.letters, flight)
-            if c.to_apply:
-                plan.merge(await self._apply(c.to_apply))
+            await self._claim_and_apply(flight, t.primaries, plan)
         if self.fifo:
-            plan.hold_followers({m.message_id: i for i, m in enumerate(flight.batch)})
+            plan.hold_letters(self._positions(flight), flight.lettered)
+            plan.hold_followers(self._positions(flight))
         back = [*plan.releases, *plan.deferrals]
         with tracing.step("settle", [*plan.acks, *(r for r, _ in back)]):
             await self.executor.carry_out(plan, flight)
@@ -179,10 +170,45 @@ class BatchProcessor:
         if later:
             # Payloads that did not fit the memory budget: this round's are committed now,
             # their bytes go back, and the rest of the batch is resolved in another round.
-            del t, plan
             assert self.budget is not None
             self.budget.give(self.budget.holds(owner) - flight.body_bytes, owner)
-            await self._process(flight, later)
+        return later
+
+    async def _claim_and_apply(self, flight: InFlight, primaries: list[Message],
+                               plan: Plan) -> None:
+        """Claim ``primaries``, run the handlers of those claimed, and merge what was
+        decided into ``plan``."""
+        for m in primaries:
+            self.holding.hold(m.request_id)
+            flight.claimed.append(m)
+        with tracing.step("claim", primaries):
+            claims = await self.store.claim(primaries)
+        c = classify(primaries, claims, self.policy, self.fifo)
+        if self.fifo and plan.letters:
+            # A group's results leave in its order (below): a message to apply behind
+            # a letter written after the commit waits for the next receive.
+            wait_behind_letters(c, plan.letters, self._positions(flight))
+        if c.unclaim:
+            await self.store.release(c.unclaim)
+        plan.merge(c.plan)
+        letters = plan.letters
+        if self.fifo and letters:
+            # A group's results leave in its order: a letter behind a message handed
+            # back waits with it; behind a message to apply, it is written after that
+            # one's commit (by carry_out).
+            plan.hold_letters(self._positions(flight), flight.lettered)
+            letters = letters_ahead(plan.letters, c.to_apply, self._positions(flight))
+        if letters and c.to_apply:
+            # Durable before any handler runs: a letter the database refuses must fail
+            # (and bisect) this part before its handlers' work is done and counted.
+            await self.executor.commit_letters(letters, flight)
+        if c.to_apply:
+            plan.merge(await self._apply(c.to_apply))
+
+    @staticmethod
+    def _positions(flight: InFlight) -> dict[str, int]:
+        """Message id → its place in the batch as received (FIFO: its group's order)."""
+        return {m.message_id: i for i, m in enumerate(flight.batch)}
 
     async def _apply(self, to_apply: list[Message]) -> Plan:
         with tracing.step("commit", to_apply):

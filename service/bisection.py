@@ -22,7 +22,8 @@ from service.visibility import VisibilityHeartbeat
 
 log = structlog.get_logger("sqs_ingest.worker")
 
-Process = Callable[[InFlight, list[Received]], Awaitable[None]]
+#: One round over a part; returns the messages left for a later round (memory budget).
+Process = Callable[[InFlight, list[Received]], Awaitable[list[Received]]]
 
 
 class Bisection:
@@ -61,7 +62,7 @@ class Bisection:
         if flight.held_groups:  # a FIFO bisection's: every other batch skips the call
             part = await self._hold_back_groups(flight, part)
         try:
-            await self.process(flight, part)
+            later = await self.process(flight, part)
         except (TransientError, AckFailed):
             raise
         except Exception as exc:
@@ -77,6 +78,13 @@ class Bisection:
             for half in (left[:mid], left[mid:]):
                 self.heartbeat.ensure(flight)
                 await self.settle(flight, half, bisecting=True)
+            return
+        if later:
+            # The payloads that did not fit the memory budget: a later round, under the
+            # heartbeat again (this round's acks stopped it) and behind what this round
+            # handed back of their FIFO groups, like a bisection's next half.
+            self.heartbeat.ensure(flight)
+            await self.settle(flight, later, bisecting)
 
     def _worth_bisecting(self, exc: BaseException, left: list[Received]) -> bool:
         return (

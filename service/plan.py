@@ -7,7 +7,8 @@ deletes → visibility changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -26,7 +27,8 @@ _s3_log = structlog.get_logger("sqs_ingest.payloads")
 
 __all__ = [
     "INVALID_TYPE_LABEL", "ClaimPlan", "Plan", "Triage", "classify", "describe",
-    "plan_unresolved", "settle", "settle_failures", "triage",
+    "letters_ahead", "plan_unresolved", "settle", "settle_failures", "triage",
+    "wait_behind_letters",
 ]
 
 
@@ -46,9 +48,11 @@ class Plan:
     dead_letter_reasons: list[str] = field(default_factory=list)  # dead_letters_total
     lags: list[float] = field(default_factory=list)  # commit time - SentTimestamp
     contention: int = 0  # deferrals because another owner held the claim
+    labels: dict[str, str] = field(default_factory=dict)  # a letter's message id → type label
 
     def letter(self, received: Received, d: DeadLetter, label: str) -> None:
         self.letters.append(d)
+        self.labels[received.message_id] = label
         self.ack(received, label, "dead_lettered")
         self.dead_letter_reasons.append(d.reason)
 
@@ -69,8 +73,31 @@ class Plan:
         n = len(self.releases)
         self.releases, self.deferrals = back[:n], back[n:]
 
+    def hold_letters(self, position: Mapping[str, int],
+                     written: AbstractSet[str] = frozenset()) -> None:
+        """FIFO: a dead letter behind a message of its group that is handed back is not
+        written now but handed back too (``hold_followers`` makes it wait as long), so that
+        its result never leaves before that message's (``position``: message id → place in
+        the batch; ``written``: the letters committed already, kept)."""
+        if not self.letters:
+            return
+        first = _first_in_group(((r.group_id, r.message_id)
+                                 for r, _ in (*self.releases, *self.deferrals)), position)
+        held = {d.sqs_message_id for d in self.letters if d.sqs_message_id not in written
+                and _behind(d.group_id, d.sqs_message_id, first, position)}
+        if not held:
+            return
+        for d in [d for d in self.letters if d.sqs_message_id in held]:
+            self.letters.remove(d)
+            self.dead_letter_reasons.remove(d.reason)
+            self.outcomes.remove((self.labels.pop(d.sqs_message_id), "dead_lettered"))
+        for r in [r for r in self.acks if r.message_id in held]:
+            self.acks.remove(r)
+            self.defer(r, 0)
+
     def merge(self, other: Plan) -> Plan:
         self.letters += other.letters
+        self.labels.update(other.labels)
         self.acks += other.acks
         self.releases += other.releases
         self.deferrals += other.deferrals
@@ -211,6 +238,54 @@ def hold_behind(
         floor[r.group_id] = delay
         out[i] = (r, delay)
     return out
+
+
+def letters_ahead(
+    letters: Sequence[DeadLetter], to_apply: Sequence[Message], position: Mapping[str, int]
+) -> list[DeadLetter]:
+    """FIFO: the dead letters no message to apply precedes in its group (by ``position``:
+    message id → place in the batch as received). Only those are written before the
+    handlers' commit; the others after it (``PlanExecutor.carry_out``), so that their
+    results follow the results of the messages ahead of them."""
+    first = _first_in_group(((m.raw.group_id, m.raw.message_id) for m in to_apply), position)
+    return [d for d in letters if not _behind(d.group_id, d.sqs_message_id, first, position)]
+
+
+def wait_behind_letters(c: ClaimPlan, letters: Sequence[DeadLetter],
+                        position: Mapping[str, int]) -> None:
+    """FIFO: a message to apply behind a dead letter that is written after the commit
+    (``letters_ahead``) waits for the next receive (given back, handed back at once): it
+    would commit, and its result leave, before that letter's."""
+    ahead = {d.sqs_message_id for d in letters_ahead(letters, c.to_apply, position)}
+    first = _first_in_group(((d.group_id, d.sqs_message_id) for d in letters
+                             if d.sqs_message_id not in ahead), position)
+    if not first:
+        return
+    to_apply = []
+    for m in c.to_apply:
+        if _behind(m.raw.group_id, m.raw.message_id, first, position):
+            c.unclaim.append(m)
+            c.plan.defer(m.raw, 0)
+        else:
+            to_apply.append(m)
+    c.to_apply = to_apply
+
+
+def _first_in_group(messages: Iterable[tuple[str | None, str]], position: Mapping[str, int]
+                    ) -> dict[str, int]:
+    """Group → the place in the batch of its first message among ``messages`` (group,
+    message id)."""
+    first: dict[str, int] = {}
+    for group, message_id in messages:
+        if group is not None:
+            at = position.get(message_id, 0)
+            first[group] = min(at, first.get(group, at))
+    return first
+
+
+def _behind(group: str | None, message_id: str, first: Mapping[str, int],
+            position: Mapping[str, int]) -> bool:
+    return group is not None and group in first and position.get(message_id, 0) > first[group]
 
 
 def settle(res: ApplyResult, policy: RetryPolicy) -> Plan:

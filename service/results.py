@@ -62,6 +62,11 @@ def result_body(row: OutboxRow, omit_result: bool = False) -> str:
     return orjson.dumps(doc).decode()
 
 
+def _group(row: OutboxRow) -> str:
+    """The row's group on a FIFO destination (its MessageGroupId, ``service.sinks.entry``)."""
+    return row.group_id or row.request_id
+
+
 def _size(row: OutboxRow, body: str) -> int:
     """What SNS/SQS count against the limits: the body and the ``request_id`` attribute
     (name, data type, value)."""
@@ -121,12 +126,23 @@ class Publisher:
                   for call in batched_by_size(pairs, lambda p: _size(*p))]
         outcomes: list[set[int] | BaseException] = []
         if self.sink.fifo:
+            # A group's rows leave in order: after one that did not (its entry answered
+            # Failed), the group's rows in the later calls wait for the next round, behind
+            # it. (Entries of one call are answered by the destination, each on its own.)
+            held: set[str] = set()
             for chunk_rows, chunk_bodies in chunks:
+                keep = [i for i, r in enumerate(chunk_rows) if _group(r) not in held]
+                if not keep:
+                    continue
+                chunk_rows = [chunk_rows[i] for i in keep]
+                chunk_bodies = [chunk_bodies[i] for i in keep]
                 try:
-                    outcomes.append(await self.sink.send(chunk_rows, chunk_bodies))
+                    accepted = await self.sink.send(chunk_rows, chunk_bodies)
                 except TransientError as exc:
                     outcomes.append(exc)
                     break  # the rest of a group must not overtake what failed
+                outcomes.append(accepted)
+                held.update(_group(r) for r in chunk_rows if r.id not in accepted)
         else:
             outcomes = await asyncio.gather(*(self.sink.send(r, b) for r, b in chunks),
                                             return_exceptions=True)

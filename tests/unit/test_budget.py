@@ -6,16 +6,18 @@ bad configuration."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from service import metrics
 from service.budget import MemoryBudget
+from service.handlers import Registry, current_request_id
 from service.payloads import S3Payloads
 from service.settings import ConfigError, load_settings
 from service.testing import FakeQueue, FakeStore
 from service.worker import Worker
-from tests.unit.test_payloads import FakeS3, doc, note_registry, pointer_body
+from tests.unit.test_payloads import FakeS3, Note, doc, note_registry, pointer_body
 from tests.unit.test_worker import settings, until
 
 
@@ -115,6 +117,72 @@ async def test_receiving_waits_while_the_budget_is_full() -> None:
         assert await asyncio.wait_for(task, 20) == 0
 
 
+
+def fifo_rig(handler: Any) -> tuple[Worker, FakeQueue, FakeStore, FakeS3]:
+    """A FIFO queue, two ~3,000-byte payloads and a budget that holds one of them: the
+    second is applied in the batch's later round."""
+    queue, store, s3 = FakeQueue(fifo=True), FakeStore(), FakeS3()
+    reg = Registry()
+    reg.register("note", Note, handler)
+    w = Worker(settings(queue_url="http://127.0.0.1:1/q.fifo", pollers=1,
+                        max_payload_bytes=4096, max_inflight_bytes=4096,
+                        retry_base_seconds=1),
+               queue, store, reg, visibility_timeout=30, rng=lambda: 0.0,
+               payloads=S3Payloads(s3, 4096, allowed="payloads"))
+    pad = "x" * 2_900
+    for rid in ("head", "follower"):
+        s3.put(rid, doc(rid)[:-2] + f', "pad": "{pad}"}}}}'.encode())
+        queue.send(pointer_body(rid), group_id="g")
+    return w, queue, store, s3
+
+
+async def test_a_later_round_holds_back_the_group_of_a_head_that_failed() -> None:
+    """FIFO, head and follower both S3 pointers, room for one payload: the head fails in the
+    first round and is handed back; the follower, in the later round, waits behind it (it
+    was applied and deleted before its head)."""
+    applied: list[str] = []
+    failed: list[str] = []
+
+    async def note(p: Note, conn: Any) -> dict[str, int]:
+        rid = current_request_id()
+        if rid == "head" and not failed:
+            failed.append(rid)
+            raise RuntimeError("transient, once")
+        applied.append(rid)
+        return {"n": p.n}
+
+    w, queue, store, _ = fifo_rig(note)
+    task = asyncio.create_task(w.run())
+    try:
+        await until(lambda: not queue.messages, "drained")
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(task, 20) == 0
+    assert failed == ["head"]
+    assert applied == ["head", "follower"]
+    assert {r: store.rows[r].status for r in store.rows} == {
+        "head": "COMPLETED", "follower": "COMPLETED"}
+    assert w.budget.peak <= 4096 and w.budget.used == 0
+
+
+async def test_the_heartbeat_covers_a_later_round() -> None:
+    """The first round's acks stop the visibility heartbeat: the later round must start it
+    again, or its messages come back visible while their handlers run."""
+    covered: dict[str, bool] = {}
+
+    async def note(p: Note, conn: Any) -> dict[str, int]:
+        covered[current_request_id()] = any(
+            t.get_name() == "extender" and not t.done() for t in asyncio.all_tasks())
+        return {"n": p.n}
+
+    w, queue, _, _ = fifo_rig(note)
+    task = asyncio.create_task(w.run())
+    try:
+        await until(lambda: not queue.messages, "drained")
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(task, 20) == 0
+    assert covered == {"head": True, "follower": True}
 
 
 def test_the_default_budget_lets_every_poller_receive_at_once() -> None:

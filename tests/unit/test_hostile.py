@@ -331,7 +331,7 @@ class _Part:
         self.handed_back = handed_back or {}
         self.calls: list[tuple[list[str], bool]] = []  # (request_ids, heartbeat running)
 
-    async def __call__(self, flight: InFlight, part: list[Received]) -> None:
+    async def __call__(self, flight: InFlight, part: list[Received]) -> list[Received]:
         messages = [parse(r, self.registry) for r in part]
         assert all(isinstance(m, Message) for m in messages)
         mine = [m for m in messages if isinstance(m, Message)]
@@ -351,6 +351,7 @@ class _Part:
         if ids & self.broken:  # e.g. a later round of the part (memory budget) fails
             raise RuntimeError("a failure outside any handler")
         flight.resolve(part)
+        return []
 
 
 def _bisect(process: Any, fifo: bool = False, limit: ReceiveLimit | None = None,
@@ -462,10 +463,11 @@ class _RefusesBody:
     def __init__(self, registry: Registry, refused: str) -> None:
         self.registry, self.claims, self.refused = registry, ClaimsRegistry(), refused
 
-    async def __call__(self, flight: InFlight, part: list[Received]) -> None:
+    async def __call__(self, flight: InFlight, part: list[Received]) -> list[Received]:
         if any(r.body == self.refused for r in part):
             raise DataRejected("CharacterNotInRepertoireError: invalid byte sequence")
         flight.resolve(part)
+        return []
 
 
 async def test_a_message_that_does_not_parse_blamed_by_bisection_is_dead_lettered_whole(

@@ -11,15 +11,18 @@ from service.handlers import Registry
 from service.messages import Message, Received
 from service.plan import (
     INVALID_TYPE_LABEL,
+    ClaimPlan,
     Plan,
     classify,
     hold_behind,
+    letters_ahead,
     settle,
     settle_failures,
     triage,
+    wait_behind_letters,
 )
 from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import ApplyResult, ClaimResult
+from service.seams import ApplyResult, ClaimResult, DeadLetter
 
 POLICY = RetryPolicy(base_seconds=2, max_seconds=900, contention_seconds=4, max_failures=3,
                      rng=lambda: 0.0)
@@ -395,3 +398,62 @@ def test_plan_unresolved_without_refusal_ages_defers_every_refusal() -> None:
     plan = plan_unresolved([(raw("m1", "body", receives=1), denied)], {}, POLICY)
     assert [(r.message_id, d) for r, d in plan.deferrals] == [("m1", 1)]
     assert plan.letters == [] and plan.acks == []
+
+
+def test_a_followers_letter_waits_for_its_heads_commit() -> None:
+    """FIFO: only the dead letters no message to apply precedes in their group are written
+    before the handlers' commit (their results then leave in the group's order)."""
+    def letter(mid: str, group: str | None) -> DeadLetter:
+        return DeadLetter.of_received(raw(mid, "{", group=group), "invalid_json", "e")
+
+    position = {mid: i for i, mid in enumerate(["p0", "a1", "p2", "b3", "p4", "p5"])}
+    letters = [letter("p0", "g"), letter("p2", "g"), letter("p4", "h"), letter("p5", None)]
+    to_apply = [parsed("a1", "r1", group="g"), parsed("b3", "r3", group="h")]
+    # p0 is ahead of a1; p2 is behind a1 (same group); p4 is behind b3; p5 has no group.
+    assert [d.sqs_message_id for d in letters_ahead(letters, to_apply, position)] == [
+        "p0", "p5"]
+    assert letters_ahead(letters, [], position) == letters
+
+
+def _poison(mid: str, group: str | None) -> tuple[Received, DeadLetter]:
+    r = raw(mid, "{", group=group)
+    return r, DeadLetter.of_received(r, "invalid_json", "e")
+
+
+def test_a_letter_behind_a_message_handed_back_is_handed_back_with_it() -> None:
+    """FIFO: the poison follower of a message handed back is not dead-lettered now (its
+    result would leave first): it is handed back, its counts taken out; a letter committed
+    already, one ahead and one of another group stay."""
+    position = {mid: i for i, mid in enumerate(["p0", "h1", "p2", "p3", "p4", "p5"])}
+    plan = Plan()
+    for mid, group in (("p0", "g"), ("p2", "g"), ("p3", "g"), ("p4", "k")):
+        r, d = _poison(mid, group)
+        plan.letter(r, d, INVALID_TYPE_LABEL)
+    plan.ack(raw("p5", note("r5"), group="g"), "note", "duplicate")
+    plan.release(raw("h1", note("r1"), group="g"), 7)
+    plan.hold_letters(position, written={"p3"})
+    assert [d.sqs_message_id for d in plan.letters] == ["p0", "p3", "p4"]
+    assert [r.message_id for r in plan.acks] == ["p0", "p3", "p4", "p5"]
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("p2", 0)]
+    assert plan.dead_letter_reasons == ["invalid_json"] * 3
+    assert sorted(plan.outcomes) == sorted([(INVALID_TYPE_LABEL, "dead_lettered")] * 3
+                                           + [("note", "duplicate")])
+    plan.hold_followers(position)
+    assert [(r.message_id, d) for r, d in plan.deferrals] == [("p2", 7)]  # behind h1
+
+
+def test_a_message_to_apply_behind_a_late_letter_waits_for_the_next_receive() -> None:
+    """FIFO: valid, poison, valid: the second valid one would commit with the first, before
+    the poison's letter (written after the commit): it waits; another group does not."""
+    position = {mid: i for i, mid in enumerate(["a0", "p1", "a2", "b3", "a4"])}
+    a0, a2, b3 = (parsed("a0", "r0", group="g"), parsed("a2", "r2", group="g"),
+                  parsed("b3", "r3", group="h"))
+    a4 = parsed("a4", "r4", group="g")
+    c = ClaimPlan([a0, a2, b3, a4], [], Plan())
+    wait_behind_letters(c, [_poison("p1", "g")[1]], position)
+    assert [m.request_id for m in c.to_apply] == ["r0", "r3"]
+    assert [m.request_id for m in c.unclaim] == ["r2", "r4"]
+    assert [(r.message_id, d) for r, d in c.plan.deferrals] == [("a2", 0), ("a4", 0)]
+    c = ClaimPlan([a2, b3], [], Plan())  # the letter ahead of every message to apply
+    wait_behind_letters(c, [_poison("p1", "g")[1]], position)
+    assert [m.request_id for m in c.to_apply] == ["r2", "r3"] and not c.unclaim

@@ -206,3 +206,73 @@ async def test_a_destination_that_takes_1_mib_gets_a_600_kb_result_whole_in_its_
     assert [[d["request_id"] for d in c] for c in docs] == [["r-0"], ["r-1"], ["r-2"]]
     assert docs[1][0]["result"] == {"blob": "x" * 600_000}
     assert "result_omitted" not in docs[1][0]
+
+
+def grouped(i: int, group: str) -> OutboxRow:
+    """A result of ~100 KB: two go in one call (the calls' limit is 256 KiB)."""
+    return OutboxRow(i, f"{group}{i}", "note", "COMPLETED", {"blob": "x" * 100_000}, None,
+                     datetime(2026, 11, 26, tzinfo=UTC), group)
+
+
+async def test_after_a_failed_entry_its_groups_later_rows_wait_for_the_next_round() -> None:
+    """A FIFO destination answers Failed for one entry: the later rows of its group (in the
+    later calls) are not sent before it; the other groups' rows go on."""
+    rows = [grouped(0, "g"), grouped(1, "g"), grouped(2, "g"), grouped(3, "h"),
+            grouped(4, "g"), grouped(5, "h")]
+    sink = FakeSinkCalls()
+    sink.fifo = True
+    sink.refuse_ids = {1}
+    pub = Publisher(FakeStore(results=True), sink)
+    assert await pub._send(rows) == {0, 3, 5}
+    assert [r.id for r in sink.sent] == [0, 3, 5]
+    sink.refuse_ids = set()  # the next round: the rest, in order
+    assert await pub._send([r for r in rows if r.id in {1, 2, 4}]) == {1, 2, 4}
+    assert [r.id for r in sink.sent] == [0, 3, 5, 1, 2, 4]
+
+
+async def fifo_results(messages: list[str], fail_once: str | None = None) -> list[tuple[str, str]]:
+    """Send ``messages`` (bodies) to one group of a FIFO queue; run the worker until every
+    message is gone (the handler of ``fail_once`` fails on its first call); the results
+    in the order they were published."""
+    store, sink, queue = FakeStore(results=True), FakeSink(fifo=True), FakeQueue(fifo=True)
+    await store.register_worker("w")
+    failed: list[str] = []
+
+    async def note(p: Any, conn: Any) -> dict[str, Any]:
+        from service.handlers import current_request_id
+
+        if current_request_id() == fail_once and not failed:
+            failed.append(fail_once)
+            raise RuntimeError("transient, once")
+        return {"n": p.n}
+
+    reg = Registry()
+    reg.register("note", Note, note)
+    for m in messages:
+        queue.send(m, group_id="g")
+    w = Worker(settings(queue_url="http://127.0.0.1:1/q.fifo", max_receive_count=3,
+                        retry_base_seconds=1, results_queue_url="http://127.0.0.1:1/r.fifo"),
+               queue, store, reg, rng=lambda: 0.0,
+               publisher=Publisher(store, _sink(sink), stats_interval=0.05))
+    run = asyncio.create_task(w.run())
+    try:
+        await until(lambda: not queue.messages and len(sink.sent) == len(messages),
+                    "every message ingested and its result published")
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(run, 15) == EXIT_OK
+    assert failed == ([fail_once] if fail_once else [])
+    return [(r.request_id, r.status) for r in sink.sent]
+
+
+POISON = json.dumps({"request_id": "poison", "type": "note", "payload": {"n": "NaN?"}})
+
+
+async def test_fifo_results_of_valid_poison_valid_leave_in_that_order() -> None:
+    assert await fifo_results([body("first"), POISON, body("second")]) == [
+        ("first", "COMPLETED"), ("poison", "FAILED"), ("second", "COMPLETED")]
+
+
+async def test_fifo_a_poison_followers_result_leaves_after_its_failed_heads() -> None:
+    assert await fifo_results([body("head"), POISON], fail_once="head") == [
+        ("head", "COMPLETED"), ("poison", "FAILED")]
