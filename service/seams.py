@@ -198,7 +198,8 @@ class StoreSeam(Protocol):
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         """Claim a batch in one statement (INSERT … ON CONFLICT DO NOTHING): request_id →
         what the claim found (claimed by us, or the existing row; FIFO: held behind an
-        earlier unfinished message of its group)."""
+        earlier unfinished message of its group). A message without a claim token gets
+        this call's (``Message.claim_token``) before the claim is made."""
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         """The requests claimed with these payload pointers (``s3://bucket/key``)."""
@@ -220,7 +221,8 @@ class StoreSeam(Protocol):
         redeliveries); with results on, their FAILED results in the same statement."""
 
     async def release(self, messages: Sequence[Message]) -> None:
-        """Give back this worker's claims made for exactly these SQS messages."""
+        """Give back the claims made for exactly these messages (by their claim tokens):
+        never one another batch made for a redelivery, nor a later claim of the request."""
 
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int

@@ -286,7 +286,7 @@ class Store(PgOutbox):
             self.outbox_written.set()
 
     async def release(self, messages: Sequence[Message]) -> None:
-        """Give back this worker's claims made for exactly these SQS messages."""
+        """Give back the claims made for exactly these messages (``Message.claim_token``)."""
         if not messages:
             return
         async with connection(self.pool) as conn:
@@ -333,7 +333,14 @@ async def claim(
 
     The unique index decides the race: of two sessions inserting the same request_id,
     the second waits for the first to commit and then inserts nothing.
+
+    Each message without a claim token gets this call's (``Message.claim_token``), before
+    the statement runs: a release after a lost answer still names the rows it may delete.
     """
+    token = str(uuid.uuid4())
+    for m in messages:
+        if m.claim_token is None:
+            m.claim_token = token
     ordered = sorted(messages, key=lambda m: m.request_id)
     rows = await conn.fetch(
         Q["claim"],
@@ -348,6 +355,7 @@ async def claim(
         [m.pointer.uri if m.pointer is not None else None for m in ordered],
         [m.raw.group_id for m in ordered],
         [_sequence(m) for m in ordered],
+        [m.claim_token for m in ordered],
     )
     return {
         r["request_id"]: ClaimResult(
@@ -509,7 +517,7 @@ class _PgAttempt:
 
 
 def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:
-    return [[m.request_id for m in messages], owner, [m.raw.message_id for m in messages]]
+    return [[m.request_id for m in messages], owner, [m.claim_token for m in messages]]
 
 
 def _dead_letter_args(letters: Sequence[DeadLetter], results: bool) -> list[list[Any]]:

@@ -184,6 +184,7 @@ class Row:
     group_id: str | None = None  # FIFO: MessageGroupId and SequenceNumber of the claim
     sequence_number: int | None = None
     claimed_at: float = field(default_factory=time.monotonic)  # received_at of the claim
+    claim_token: str | None = None  # the claiming message's (Message.claim_token)
 
 
 @dataclass
@@ -353,6 +354,10 @@ class FakeStore(FakeOutbox):
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         self._check()
+        token = uuid.uuid4().hex
+        for m in messages:
+            if m.claim_token is None:
+                m.claim_token = token
         out = {}
         # FIFO: groups held before this call's rows
         held = {m.request_id for m in messages if _group_held(self.db, m)}
@@ -370,7 +375,8 @@ class FakeStore(FakeOutbox):
                     m.request_id, m.type, m.payload_sha256, "IN_PROGRESS", self.worker_id,
                     m.raw.message_id, message_attributes=m.attributes,
                     payload_pointer=m.pointer.uri if m.pointer is not None else None,
-                    group_id=m.raw.group_id, sequence_number=m.raw.sequence_number)
+                    group_id=m.raw.group_id, sequence_number=m.raw.sequence_number,
+                    claim_token=m.claim_token)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
                                                 fails)
             else:
@@ -416,7 +422,7 @@ class FakeStore(FakeOutbox):
         for m in messages:
             row = self.db.rows.get(m.request_id)
             if (_held_by(self.worker_id, row) and row is not None
-                    and row.sqs_message_id == m.raw.message_id):
+                    and m.claim_token is not None and row.claim_token == m.claim_token):
                 del self.db.rows[m.request_id]
 
     async def record_failures(

@@ -85,7 +85,11 @@ MUTANTS: list[SqlMutant] = [
     M("complete_with_result_no_order", "complete_with_result", "     ORDER BY g.n", "",
       ('tests/integration/test_results_claim.py::test_a_groups_results_leave_in_batch_order_whatever_the_join',)),
     # -- release --------------------------------------------------------------------------
-    M("release_no_message_id", "release", " AND m.sqs_message_id = u.sqs_message_id", "",
+    M("release_no_claim_token", "release", " AND m.claim_token = u.claim_token", "",
+      ('tests/contract/test_store_contract.py::test_release_gives_back_only_this_delivery[postgres]',
+       'tests/contract/test_store_contract.py::test_a_late_release_never_takes_a_later_claim_of_the_same_message[postgres]')),
+    M("claim_no_token", "claim", "           sequence_number, claim_token\n",
+      "           sequence_number, NULL\n",
       ('tests/contract/test_store_contract.py::test_release_gives_back_only_this_delivery[postgres]',)),
     M("release_no_owner", "release", "   AND m.owner = $2", "",
       ('tests/contract/test_store_contract.py::test_release_gives_back_only_this_delivery[postgres]', 'tests/integration/test_store.py::test_release_only_touches_this_batch_claims')),

@@ -4,15 +4,16 @@
 -- One statement per batch. Input is sorted by request_id so two workers claiming
 -- overlapping batches take the unique-index locks in the same order (no deadlock).
 -- $8: message attributes (jsonb text or NULL), $9: the S3 pointer the payload came from,
--- $10/$11: FIFO MessageGroupId and SequenceNumber (NULL on a standard queue).
+-- $10/$11: FIFO MessageGroupId and SequenceNumber (NULL on a standard queue), $12: the
+-- claim token of each message (a release deletes only the row carrying its token).
 -- FIFO order (SPEC §6): a message is held — not inserted, `held` — while an earlier message
 -- of its group (lower sequence number, another request) is IN_PROGRESS under anyone, dead
 -- or alive. Earlier messages of the same batch are the caller's (plan.classify).
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[],
-                         $8::text[], $9::text[], $10::text[], $11::numeric[])
+                         $8::text[], $9::text[], $10::text[], $11::numeric[], $12::uuid[])
         AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at,
-             message_attributes, payload_pointer, group_id, sequence_number)
+             message_attributes, payload_pointer, group_id, sequence_number, claim_token)
 ), held AS (
     SELECT i.request_id FROM input i
      WHERE i.group_id IS NOT NULL AND i.sequence_number IS NOT NULL
@@ -23,10 +24,10 @@ WITH input AS (
 ), ins AS (
     INSERT INTO modifications
         (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at,
-         message_attributes, payload_pointer, group_id, sequence_number)
+         message_attributes, payload_pointer, group_id, sequence_number, claim_token)
     SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
            sqs_message_id, $7, sent_at, message_attributes::jsonb, payload_pointer, group_id,
-           sequence_number
+           sequence_number, claim_token
       FROM input
      -- This very SQS message was already dead-lettered (its ack failed or was cut
      -- short): never apply it after the fact.
@@ -108,11 +109,12 @@ SELECT request_id FROM done
 DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
 
 -- name: release
--- By (request_id, sqs_message_id): a batch gives back only the claims it made, never a
--- claim another batch of the same worker made for a duplicate delivery.
+-- By (request_id, claim_token): a batch gives back only the claims it made, never a claim
+-- another batch of the same worker made for a redelivery of the same SQS message (same
+-- MessageId), nor a later claim of the same request when the release comes late.
 DELETE FROM modifications m
- USING unnest($1::text[], $3::text[]) AS u(request_id, sqs_message_id)
- WHERE m.request_id = u.request_id AND m.sqs_message_id = u.sqs_message_id
+ USING unnest($1::text[], $3::uuid[]) AS u(request_id, claim_token)
+ WHERE m.request_id = u.request_id AND m.claim_token = u.claim_token
    AND m.owner = $2 AND m.status = 'IN_PROGRESS'
 
 -- name: record_failures

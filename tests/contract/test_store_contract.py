@@ -279,16 +279,45 @@ async def test_gc_of_an_earlier_incarnation_only_with_its_name(backend: Backend)
 
 async def test_release_gives_back_only_this_delivery(backend: Backend) -> None:
     a = await backend.store("w-a")
-    await a.claim([msg("r1", mid="sqs-1")])
-    await a.release([msg("r1", mid="sqs-2")])  # another delivery of the same request
+    first = msg("r1", mid="sqs-1")
+    await a.claim([first])
+    other = msg("r1", mid="sqs-2")  # another delivery of the same request: contention
+    assert not (await a.claim([other]))["r1"].claimed
+    await a.release([other])
+    # The same SQS message again (a redelivery keeps its MessageId), parsed by another batch
+    # that met the claim: its release is not the claim's either.
+    redelivered = msg("r1", mid="sqs-1")
+    assert not (await a.claim([redelivered]))["r1"].claimed
+    await a.release([redelivered])
+    await a.release([msg("r1", mid="sqs-1")])  # never claimed anything
     assert await backend.statuses() == {"r1": ("IN_PROGRESS", "w-a")}
-    await a.release([msg("r1", mid="sqs-1")])
+    await a.release([first])
     assert await backend.statuses() == {}
     # A completed request is never given back, even by the delivery that completed it.
-    await a.claim([msg("r2", mid="sqs-3")])
-    await a.apply([msg("r2", mid="sqs-3")], ok)
-    await a.release([msg("r2", mid="sqs-3")])
+    done = msg("r2", mid="sqs-3")
+    await a.claim([done])
+    await a.apply([done], ok)
+    await a.release([done])
     assert await backend.statuses() == {"r2": ("COMPLETED", "w-a")}
+
+
+async def test_a_late_release_never_takes_a_later_claim_of_the_same_message(
+    backend: Backend,
+) -> None:
+    """A batch given back during an outage releases its claims once the database is back
+    (``PlanExecutor.release_unreleased``); meanwhile the own-leak GC may have collected them
+    and a later batch of the same worker claimed the same message again."""
+    a = await backend.store("w-a")
+    stranded = msg("r1", mid="sqs-1")
+    await a.claim([stranded])
+    await backend.age_claims(["r1"], 60)
+    assert await a.gc_own_leaks([]) == ["r1"]
+    later = msg("r1", mid="sqs-1")
+    assert (await a.claim([later]))["r1"].claimed
+    await a.release([stranded])
+    assert await backend.statuses() == {"r1": ("IN_PROGRESS", "w-a")}
+    await a.release([later])
+    assert await backend.statuses() == {}
 
 
 async def test_failure_is_isolated_counted_then_dead_lettered(backend: Backend) -> None:
