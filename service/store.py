@@ -175,6 +175,7 @@ class Store(PgOutbox):
         *,
         results: bool = False,
         outbox_pool: asyncpg.Pool | None = None,
+        lease: float | None = None,
     ) -> None:
         self.pool = pool
         # Heartbeats and GC get their own connections: with every batch connection busy
@@ -182,6 +183,9 @@ class Store(PgOutbox):
         # other replicas collect our live claims.
         self.control = control_pool or pool
         self.worker_id = worker_id or new_worker_id()
+        # INGEST_WORKER_LEASE: a claim in the way whose owner's heartbeat is older is taken
+        # over by the claim statement itself (None: left to the orphan GC).
+        self.lease = lease
         # Results on: completions and dead letters write their outbox row in the same
         # statement. Off: the statements of before, nothing more.
         self.results = results
@@ -237,7 +241,7 @@ class Store(PgOutbox):
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         async with connection(self.pool) as conn:
-            return await claim(conn, messages, self.worker_id)
+            return await claim(conn, messages, self.worker_id, self.lease)
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         async with connection(self.pool) as conn:
@@ -327,12 +331,14 @@ def _outbox_row(r: asyncpg.Record) -> OutboxRow:
 
 
 async def claim(
-    conn: asyncpg.Connection, messages: Sequence[Message], owner: str
+    conn: asyncpg.Connection, messages: Sequence[Message], owner: str,
+    lease: float | None = None,
 ) -> dict[str, ClaimResult]:
     """Claim a batch in one statement: INSERT … ON CONFLICT (request_id) DO NOTHING.
 
     The unique index decides the race: of two sessions inserting the same request_id,
-    the second waits for the first to commit and then inserts nothing.
+    the second waits for the first to commit and then inserts nothing. With ``lease``, a
+    claim whose owner the orphan GC would collect is taken over in the same statement.
 
     Each message without a claim token gets this call's (``Message.claim_token``), before
     the statement runs: a release after a lost answer still names the rows it may delete.
@@ -356,11 +362,13 @@ async def claim(
         [m.raw.group_id for m in ordered],
         [_sequence(m) for m in ordered],
         [m.claim_token for m in ordered],
+        lease,
     )
     return {
         r["request_id"]: ClaimResult(
             r["request_id"], r["claimed"], r["status"], r["request_type"],
             r["payload_sha256"], r["owner"], r["failures"], r["dead_lettered"], r["held"],
+            r["collected_from"],
         )
         for r in rows
     }

@@ -278,11 +278,12 @@ class FakeStore(FakeOutbox):
 
     def __init__(
         self, worker_id: str = "fake-worker", db: FakeDatabase | None = None,
-        results: bool = False,
+        results: bool = False, lease: float | None = None,
     ) -> None:
         super().__init__(db or FakeDatabase())
         self.worker_id = worker_id
         self.results = results
+        self.lease = lease  # claims of owners dead this long are taken over by claim()
         # The shared tables, as the worker tests read them.
         self.rows, self.dead, self.failures = self.db.rows, self.db.dead, self.db.failures
 
@@ -323,13 +324,12 @@ class FakeStore(FakeOutbox):
         started_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         self._check()
-        now = time.monotonic()
         before = started_before.timestamp() if started_before is not None else None
 
         def dead(owner: str) -> bool:
-            w = self.db.workers.get(owner)
-            if w is None or w.stopped or now - w.heartbeat_at > lease_seconds:
+            if _dead(self.db, owner, lease_seconds):
                 return True
+            w = self.db.workers[owner]
             return (name is not None and w.name == name and before is not None
                     and w.started_at < before)
 
@@ -359,11 +359,17 @@ class FakeStore(FakeOutbox):
             if m.claim_token is None:
                 m.claim_token = token
         out = {}
+        # Claims of dead owners (the GC's rule) that this call takes over, as in the claim
+        # statement: they hold back no later message of this call (classify orders those).
+        stale = {m.request_id for m in messages if self._stale(m)}
         # FIFO: groups held before this call's rows
-        held = {m.request_id for m in messages if _group_held(self.db, m)}
+        held = {m.request_id for m in messages if _group_held(self.db, m, stale)}
         for m in messages:
             row = self.db.rows.get(m.request_id)
             fails = self.db.failures.get(m.request_id, 0)
+            taken = None
+            if row is not None and m.request_id in stale and m.request_id not in held:
+                taken, row = row.owner, None
             if m.raw.message_id in self.db.dead:
                 out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
                                                 fails, dead_lettered=True)
@@ -378,11 +384,18 @@ class FakeStore(FakeOutbox):
                     group_id=m.raw.group_id, sequence_number=m.raw.sequence_number,
                     claim_token=m.claim_token)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
-                                                fails)
+                                                fails, collected_from=taken)
             else:
                 out[m.request_id] = ClaimResult(m.request_id, False, row.status, row.type,
                                                 row.payload_sha256, row.owner, fails)
         return out
+
+    def _stale(self, m: Message) -> bool:
+        """The claim in ``m``'s way belongs to an owner the orphan GC would collect."""
+        row = self.db.rows.get(m.request_id)
+        return (self.lease is not None and row is not None and row.status == "IN_PROGRESS"
+                and row.owner != self.worker_id and m.raw.message_id not in self.db.dead
+                and _dead(self.db, row.owner, self.lease))
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         self._check()
@@ -465,15 +478,23 @@ class FakeSink:
         return {r.id for r in ok}
 
 
-def _group_held(db: FakeDatabase, m: Message) -> bool:
+def _group_held(db: FakeDatabase, m: Message, taken: set[str]) -> bool:
     """FIFO: an earlier message of its group is IN_PROGRESS under anyone (the claim
-    statement's rule, on the rows as they were before the call)."""
+    statement's rule, on the rows as they were before the call), but for the dead owners'
+    claims of this call's requests (``taken``)."""
     g, n = m.raw.group_id, m.raw.sequence_number
     if g is None or n is None:
         return False
     return any(r.status == "IN_PROGRESS" and r.group_id == g and r.sequence_number is not None
                and r.sequence_number < n and r.request_id != m.request_id
+               and r.request_id not in taken
                for r in db.rows.values())
+
+
+def _dead(db: FakeDatabase, owner: str, lease: float) -> bool:
+    """The orphan GC's rule: no worker row, stopped, or a heartbeat older than the lease."""
+    w = db.workers.get(owner)
+    return w is None or w.stopped or time.monotonic() - w.heartbeat_at > lease
 
 
 def _held_by(worker_id: str, row: Row | None) -> bool:

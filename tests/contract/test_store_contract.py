@@ -46,7 +46,8 @@ class ResultStore(StoreSeam, OutboxSeam, Protocol):
 
 
 class Backend(Protocol):
-    async def store(self, worker_id: str, results: bool = False) -> ResultStore: ...
+    async def store(self, worker_id: str, results: bool = False,
+                    lease: float | None = None) -> ResultStore: ...
     async def kill(self, worker_id: str) -> None: ...
     async def statuses(self) -> dict[str, tuple[str, str]]: ...
     async def letters(self) -> dict[str, tuple[str, str]]: ...
@@ -62,8 +63,9 @@ class FakeBackend:
     def __init__(self) -> None:
         self.db = FakeDatabase()
 
-    async def store(self, worker_id: str, results: bool = False) -> ResultStore:
-        s = FakeStore(worker_id, self.db, results=results)
+    async def store(self, worker_id: str, results: bool = False,
+                    lease: float | None = None) -> ResultStore:
+        s = FakeStore(worker_id, self.db, results=results, lease=lease)
         await s.register_worker(worker_id)
         return s
 
@@ -132,12 +134,13 @@ class RealBackend:
         self.database_url = database_url
         self.outbox_pool: asyncpg.Pool | None = None  # the publishers', made on first use
 
-    async def store(self, worker_id: str, results: bool = False) -> ResultStore:
+    async def store(self, worker_id: str, results: bool = False,
+                    lease: float | None = None) -> ResultStore:
         if results and self.outbox_pool is None:
             self.outbox_pool = await create_pool(
                 f"{self.database_url}?lock_timeout={PUBLISHER_LOCK_TIMEOUT_MS}", 4)
         s = Store(self.pool, worker_id, results=results,
-                  outbox_pool=self.outbox_pool if results else None)
+                  outbox_pool=self.outbox_pool if results else None, lease=lease)
         await s.register_worker(worker_id)
         return s
 
@@ -788,3 +791,63 @@ async def test_ping_and_schema_check(backend: Backend) -> None:
     with pytest.raises(DatabaseUnavailable):
         await a.claim([msg("r1")])
 
+
+
+async def test_claim_takes_over_a_dead_owners_claim_never_a_live_ones(backend: Backend) -> None:
+    """With the lease given, the claim statement collects a claim in its way whose owner the
+    orphan GC would collect (heartbeat older than the lease), in the same statement; a live
+    owner's claim stays contention (SPEC §2.6)."""
+    live, dead = await backend.store("w-live"), await backend.store("w-dead")
+    await live.claim([msg("r-live")])
+    await dead.claim([msg("r-dead", mid="m-dead")])
+    await backend.kill("w-dead")
+    b = await backend.store("w-b", lease=30)
+    mine = msg("r-dead", mid="m-again")
+    got = await b.claim([msg("r-live"), mine])
+    assert (got["r-live"].claimed, got["r-live"].owner, got["r-live"].collected_from) == (
+        False, "w-live", None)
+    assert (got["r-dead"].claimed, got["r-dead"].collected_from) == (True, "w-dead")
+    assert await backend.statuses() == {"r-live": ("IN_PROGRESS", "w-live"),
+                                        "r-dead": ("IN_PROGRESS", "w-b")}
+    # The dead owner coming back late is fenced out; the new owner completes it once.
+    late = await dead.apply([msg("r-dead", mid="m-dead")], ok)
+    assert late.completed == [] and [m.request_id for m in late.lost] == ["r-dead"]
+    assert [m.request_id for m, _ in (await b.apply([mine], ok)).completed] == ["r-dead"]
+    # Without a lease nothing is taken over, however long the owner has been dead.
+    await backend.kill("w-live")
+    assert not (await (await backend.store("w-c")).claim([msg("r-live")]))["r-live"].claimed
+    # A taken-over claim is the taker's own: released by its token like any claim.
+    again = msg("r-live", mid="m-live-2")
+    assert (await b.claim([again]))["r-live"].collected_from == "w-live"
+    await b.release([again])
+    assert "r-live" not in await backend.statuses()
+
+
+async def test_fifo_head_of_a_dead_owner_is_taken_over_with_its_followers(
+    backend: Backend,
+) -> None:
+    """A FIFO head claimed by a dead owner, received again with its follower in one batch:
+    both are claimed in that statement (the caller orders them). Behind a live owner's head
+    the follower stays held; a follower received without its head stays held too (only the
+    batch's own requests are taken over)."""
+    dead = await backend.store("w-dead")
+    await dead.claim([msg("h", 1, group="G", seq=SEQ + 1)])
+    await backend.kill("w-dead")
+    b = await backend.store("w-b", lease=30)
+    alone = await b.claim([msg("f", 2, group="G", seq=SEQ + 2)])
+    assert (alone["f"].claimed, alone["f"].held) == (False, True)
+    both = await b.claim([msg("h", 1, group="G", seq=SEQ + 1),
+                          msg("f", 2, group="G", seq=SEQ + 2)])
+    assert {k: (v.claimed, v.held, v.collected_from) for k, v in both.items()} == {
+        "h": (True, False, "w-dead"), "f": (True, False, None)}
+    live = await backend.store("w-live")
+    await live.claim([msg("h2", 1, group="K", seq=SEQ + 1)])
+    behind = await b.claim([msg("h2", 1, group="K", seq=SEQ + 1),
+                            msg("f2", 2, group="K", seq=SEQ + 2)])
+    assert {k: (v.claimed, v.held) for k, v in behind.items()} == {
+        "h2": (False, False), "f2": (False, True)}
+    # A follower's own dead claim is not taken over while its head is unfinished elsewhere.
+    await dead.claim([msg("f3", 2, group="M", seq=SEQ + 2)])
+    await live.claim([msg("h3", 1, group="M", seq=SEQ + 1)])
+    waits = (await b.claim([msg("f3", 2, mid="m-f3-again", group="M", seq=SEQ + 2)]))["f3"]
+    assert (waits.claimed, waits.collected_from, waits.owner) == (False, None, "w-dead")
