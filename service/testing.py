@@ -361,7 +361,8 @@ class FakeStore(FakeOutbox):
         out = {}
         # Claims of dead owners (the GC's rule) that this call takes over, as in the claim
         # statement: they hold back no later message of this call (classify orders those).
-        stale = {m.request_id for m in messages if self._stale(m)}
+        stale = {m.request_id for m in messages if self.lease is not None
+                 and _stale(self.db, m, self.worker_id, self.lease)}
         # FIFO: groups held before this call's rows
         held = {m.request_id for m in messages if _group_held(self.db, m, stale)}
         for m in messages:
@@ -389,13 +390,6 @@ class FakeStore(FakeOutbox):
                 out[m.request_id] = ClaimResult(m.request_id, False, row.status, row.type,
                                                 row.payload_sha256, row.owner, fails)
         return out
-
-    def _stale(self, m: Message) -> bool:
-        """The claim in ``m``'s way belongs to an owner the orphan GC would collect."""
-        row = self.db.rows.get(m.request_id)
-        return (self.lease is not None and row is not None and row.status == "IN_PROGRESS"
-                and row.owner != self.worker_id and m.raw.message_id not in self.db.dead
-                and _dead(self.db, row.owner, self.lease))
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         self._check()
@@ -489,6 +483,13 @@ def _group_held(db: FakeDatabase, m: Message, taken: set[str]) -> bool:
                and r.sequence_number < n and r.request_id != m.request_id
                and r.request_id not in taken
                for r in db.rows.values())
+
+
+def _stale(db: FakeDatabase, m: Message, worker_id: str, lease: float) -> bool:
+    """The claim in ``m``'s way belongs to an owner the orphan GC would collect."""
+    row = db.rows.get(m.request_id)
+    return (row is not None and row.status == "IN_PROGRESS" and row.owner != worker_id
+            and m.raw.message_id not in db.dead and _dead(db, row.owner, lease))
 
 
 def _dead(db: FakeDatabase, owner: str, lease: float) -> bool:

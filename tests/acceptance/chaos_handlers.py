@@ -112,4 +112,6 @@ async def ledger_stall_first(p: StallingEntry, conn: asyncpg.Connection) -> dict
     claim; a later run appends at once."""
     if _record() == 1:
         await asyncio.sleep(p.seconds)
-    return await ledger_append(p, conn)
+    await conn.execute("INSERT INTO chaos_ledger (request_id, grp, seq) VALUES ($1, $2, $3)",
+                       current_request_id(), p.group, p.seq)
+    return {"seq": p.seq}
