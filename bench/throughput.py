@@ -154,7 +154,7 @@ def daemon_concurrency() -> tuple[int, int]:
     fields = Settings.model_fields
     pollers = _env_int("INGEST_POLLERS", fields["pollers"].default)
     inflight = _env_int("INGEST_MAX_INFLIGHT_BATCHES", fields["max_inflight_batches"].default)
-    probe = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://x@h/d",
+    probe = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://x@127.0.0.1/d",
                      pollers=pollers, max_inflight_batches=inflight)
     return pollers, probe.inflight_limit
 

@@ -96,7 +96,7 @@ async def main():
     for i in range(N):
         q.send(json.dumps({"request_id": f"r{i}", "type": "entity.upsert", "payload": {
             "entity_id": f"e{i}", "version": 1, "data": {"v": i}}}))
-    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@127.0.0.1/d",
                  wait_time_seconds=0, pollers=8, queue_attributes_interval=3600,
                  gc_interval=3600, worker_lease=3600, http_port=0)
     w = Worker(s, q, Store(), registry, visibility_timeout=30)

@@ -128,7 +128,8 @@ async def _with_database(settings: Settings, state: _Startup) -> int:
         # The publisher holds a connection across each send: its own, one per loop.
         pools.append(await create_pool(settings.database_dsn, settings.results_publishers + 1))
     store = Store(pool, control_pool=control_pool, results=settings.results_enabled,
-                  outbox_pool=pools[2] if settings.results_enabled else None)
+                  outbox_pool=pools[2] if settings.results_enabled else None,
+                  lease=settings.worker_lease)
     try:
         return await _with_queue(settings, state, store)
     finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -42,7 +42,7 @@ from service.plan import (
 )
 from service.resolve import resolve_batch
 from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import QueueSeam, StoreSeam
+from service.seams import ClaimResult, QueueSeam, StoreSeam
 from service.visibility import VisibilityHeartbeat
 
 log = structlog.get_logger("sqs_ingest.worker")
@@ -183,6 +183,7 @@ class BatchProcessor:
             flight.claimed.append(m)
         with tracing.step("claim", primaries):
             claims = await self.store.claim(primaries)
+        _note_taken_over(claims.values())
         c = classify(primaries, claims, self.policy, self.fifo)
         if self.fifo and plan.letters:
             # A group's results leave in its order (below): a message to apply behind
@@ -231,3 +232,12 @@ class BatchProcessor:
                 counts.update(await self.store.record_failures(last, 1))
             plan.merge(settle_failures(failures, counts, self.policy, self.limit))
         return plan
+
+
+def _note_taken_over(claims: Iterable[ClaimResult]) -> None:
+    """Claims of dead owners the claim statement took over: orphans collected, as by GC."""
+    taken = [c for c in claims if c.collected_from is not None]
+    for c in taken:
+        log.warning("orphan_taken_over", request_id=c.request_id, owner=c.collected_from)
+    if taken:
+        metrics.orphans_collected.inc(len(taken))

@@ -51,6 +51,10 @@ class Message:
     attributes: dict[str, dict[str, str]] | None = None
     attributes_json: str | None = None
     pointer: Pointer | None = None  # where the payload was read from (S3), if offloaded
+    # The token of the claim made for this very message (``service.store.claim`` draws it
+    # before its statement runs): a release deletes only the row carrying it, never a claim
+    # another batch made for a redelivery of the same SQS message.
+    claim_token: str | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)

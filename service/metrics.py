@@ -39,7 +39,8 @@ ack_failures = Counter(
     registry=REGISTRY,
 )
 orphans_collected = Counter(
-    P + "orphans_collected", "IN_PROGRESS claims of dead workers released by GC",
+    P + "orphans_collected",
+    "IN_PROGRESS claims of dead workers released by GC or taken over by a claim",
     registry=REGISTRY,
 )
 dead_letters = Counter(

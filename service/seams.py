@@ -29,6 +29,8 @@ class ClaimResult:
     # FIFO: not claimed because an earlier message of its group (lower SequenceNumber) is
     # IN_PROGRESS under some owner, dead or alive.
     held: bool = False
+    # Claimed by taking over the claim of a dead owner (the orphan GC's rule): that owner.
+    collected_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +198,10 @@ class StoreSeam(Protocol):
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         """Claim a batch in one statement (INSERT … ON CONFLICT DO NOTHING): request_id →
         what the claim found (claimed by us, or the existing row; FIFO: held behind an
-        earlier unfinished message of its group)."""
+        earlier unfinished message of its group). A message without a claim token gets
+        this call's (``Message.claim_token``) before the claim is made. Given the worker
+        lease, a claim whose owner the orphan GC would collect is taken over in the same
+        statement (``ClaimResult.collected_from``); a live owner's never."""
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         """The requests claimed with these payload pointers (``s3://bucket/key``)."""
@@ -218,7 +223,8 @@ class StoreSeam(Protocol):
         redeliveries); with results on, their FAILED results in the same statement."""
 
     async def release(self, messages: Sequence[Message]) -> None:
-        """Give back this worker's claims made for exactly these SQS messages."""
+        """Give back the claims made for exactly these messages (by their claim tokens):
+        never one another batch made for a redelivery, nor a later claim of the request."""
 
     async def record_failures(
         self, failures: Sequence[tuple[Message, str]], max_failures: int

@@ -174,6 +174,7 @@ class Store(PgOutbox):
         *,
         results: bool = False,
         outbox_pool: asyncpg.Pool | None = None,
+        lease: float | None = None,
     ) -> None:
         self.pool = pool
         # Heartbeats and GC get their own connections: with every batch connection busy
@@ -181,6 +182,9 @@ class Store(PgOutbox):
         # other replicas collect our live claims.
         self.control = control_pool or pool
         self.worker_id = worker_id or new_worker_id()
+        # INGEST_WORKER_LEASE: a claim in the way whose owner's heartbeat is older is taken
+        # over by the claim statement itself (None: left to the orphan GC).
+        self.lease = lease
         # Results on: completions and dead letters write their outbox row in the same
         # statement. Off: the statements of before, nothing more.
         self.results = results
@@ -232,7 +236,7 @@ class Store(PgOutbox):
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         async with connection(self.pool) as conn:
-            return await claim(conn, messages, self.worker_id)
+            return await claim(conn, messages, self.worker_id, self.lease)
 
     async def known_pointers(self, uris: Sequence[str]) -> dict[str, KnownPointer]:
         async with connection(self.pool) as conn:
@@ -281,7 +285,7 @@ class Store(PgOutbox):
             self.outbox_written.set()
 
     async def release(self, messages: Sequence[Message]) -> None:
-        """Give back this worker's claims made for exactly these SQS messages."""
+        """Give back the claims made for exactly these messages (``Message.claim_token``)."""
         if not messages:
             return
         async with connection(self.pool) as conn:
@@ -329,13 +333,22 @@ def _outbox_row(r: asyncpg.Record) -> OutboxRow:
 
 
 async def claim(
-    conn: asyncpg.Connection, messages: Sequence[Message], owner: str
+    conn: asyncpg.Connection, messages: Sequence[Message], owner: str,
+    lease: float | None = None,
 ) -> dict[str, ClaimResult]:
     """Claim a batch in one statement: INSERT … ON CONFLICT (request_id) DO NOTHING.
 
     The unique index decides the race: of two sessions inserting the same request_id,
-    the second waits for the first to commit and then inserts nothing.
+    the second waits for the first to commit and then inserts nothing. With ``lease``, a
+    claim whose owner the orphan GC would collect is taken over in the same statement.
+
+    Each message without a claim token gets this call's (``Message.claim_token``), before
+    the statement runs: a release after a lost answer still names the rows it may delete.
     """
+    token = str(uuid.uuid4())
+    for m in messages:
+        if m.claim_token is None:
+            m.claim_token = token
     ordered = sorted(messages, key=lambda m: m.request_id)
     rows = await conn.fetch(
         Q["claim"],
@@ -350,11 +363,14 @@ async def claim(
         [m.pointer.uri if m.pointer is not None else None for m in ordered],
         [m.raw.group_id for m in ordered],
         [_sequence(m) for m in ordered],
+        [m.claim_token for m in ordered],
+        lease,
     )
     return {
         r["request_id"]: ClaimResult(
             r["request_id"], r["claimed"], r["status"], r["request_type"],
             r["payload_sha256"], r["owner"], r["failures"], r["dead_lettered"], r["held"],
+            r["collected_from"],
         )
         for r in rows
     }
@@ -511,7 +527,7 @@ class _PgAttempt:
 
 
 def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:
-    return [[m.request_id for m in messages], owner, [m.raw.message_id for m in messages]]
+    return [[m.request_id for m in messages], owner, [m.claim_token for m in messages]]
 
 
 def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:

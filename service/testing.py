@@ -184,6 +184,7 @@ class Row:
     group_id: str | None = None  # FIFO: MessageGroupId and SequenceNumber of the claim
     sequence_number: int | None = None
     claimed_at: float = field(default_factory=time.monotonic)  # received_at of the claim
+    claim_token: str | None = None  # the claiming message's (Message.claim_token)
 
 
 @dataclass
@@ -277,11 +278,12 @@ class FakeStore(FakeOutbox):
 
     def __init__(
         self, worker_id: str = "fake-worker", db: FakeDatabase | None = None,
-        results: bool = False,
+        results: bool = False, lease: float | None = None,
     ) -> None:
         super().__init__(db or FakeDatabase())
         self.worker_id = worker_id
         self.results = results
+        self.lease = lease  # claims of owners dead this long are taken over by claim()
         # The shared tables, as the worker tests read them.
         self.rows, self.dead, self.failures = self.db.rows, self.db.dead, self.db.failures
 
@@ -319,14 +321,13 @@ class FakeStore(FakeOutbox):
 
     async def gc(self, lease_seconds: float, name: str | None = None) -> list[dict[str, Any]]:
         self._check()
-        now = time.monotonic()
         me = self.db.workers.get(self.worker_id)
         before = me.started_at if me is not None else None
 
         def dead(owner: str) -> bool:
-            w = self.db.workers.get(owner)
-            if w is None or w.stopped or now - w.heartbeat_at > lease_seconds:
+            if _dead(self.db, owner, lease_seconds):
                 return True
+            w = self.db.workers[owner]
             return (name is not None and w.name == name and before is not None
                     and w.started_at < before)
 
@@ -351,12 +352,23 @@ class FakeStore(FakeOutbox):
 
     async def claim(self, messages: Sequence[Message]) -> dict[str, ClaimResult]:
         self._check()
+        token = uuid.uuid4().hex
+        for m in messages:
+            if m.claim_token is None:
+                m.claim_token = token
         out = {}
+        # Claims of dead owners (the GC's rule) that this call takes over, as in the claim
+        # statement: they hold back no later message of this call (classify orders those).
+        stale = {m.request_id for m in messages if self.lease is not None
+                 and _stale(self.db, m, self.worker_id, self.lease)}
         # FIFO: groups held before this call's rows
-        held = {m.request_id for m in messages if _group_held(self.db, m)}
+        held = {m.request_id for m in messages if _group_held(self.db, m, stale)}
         for m in messages:
             row = self.db.rows.get(m.request_id)
             fails = self.db.failures.get(m.request_id, 0)
+            taken = None
+            if row is not None and m.request_id in stale and m.request_id not in held:
+                taken, row = row.owner, None
             if m.raw.message_id in self.db.dead:
                 out[m.request_id] = ClaimResult(m.request_id, False, None, None, None, None,
                                                 fails, dead_lettered=True)
@@ -368,9 +380,10 @@ class FakeStore(FakeOutbox):
                     m.request_id, m.type, m.payload_sha256, "IN_PROGRESS", self.worker_id,
                     m.raw.message_id, message_attributes=m.attributes,
                     payload_pointer=m.pointer.uri if m.pointer is not None else None,
-                    group_id=m.raw.group_id, sequence_number=m.raw.sequence_number)
+                    group_id=m.raw.group_id, sequence_number=m.raw.sequence_number,
+                    claim_token=m.claim_token)
                 out[m.request_id] = ClaimResult(m.request_id, True, None, None, None, None,
-                                                fails)
+                                                fails, collected_from=taken)
             else:
                 out[m.request_id] = ClaimResult(m.request_id, False, row.status, row.type,
                                                 row.payload_sha256, row.owner, fails)
@@ -414,7 +427,7 @@ class FakeStore(FakeOutbox):
         for m in messages:
             row = self.db.rows.get(m.request_id)
             if (_held_by(self.worker_id, row) and row is not None
-                    and row.sqs_message_id == m.raw.message_id):
+                    and m.claim_token is not None and row.claim_token == m.claim_token):
                 del self.db.rows[m.request_id]
 
     async def record_failures(
@@ -460,15 +473,30 @@ class FakeSink:
         return {r.id for r in ok}
 
 
-def _group_held(db: FakeDatabase, m: Message) -> bool:
+def _group_held(db: FakeDatabase, m: Message, taken: set[str]) -> bool:
     """FIFO: an earlier message of its group is IN_PROGRESS under anyone (the claim
-    statement's rule, on the rows as they were before the call)."""
+    statement's rule, on the rows as they were before the call), but for the dead owners'
+    claims of this call's requests (``taken``)."""
     g, n = m.raw.group_id, m.raw.sequence_number
     if g is None or n is None:
         return False
     return any(r.status == "IN_PROGRESS" and r.group_id == g and r.sequence_number is not None
                and r.sequence_number < n and r.request_id != m.request_id
+               and r.request_id not in taken
                for r in db.rows.values())
+
+
+def _stale(db: FakeDatabase, m: Message, worker_id: str, lease: float) -> bool:
+    """The claim in ``m``'s way belongs to an owner the orphan GC would collect."""
+    row = db.rows.get(m.request_id)
+    return (row is not None and row.status == "IN_PROGRESS" and row.owner != worker_id
+            and m.raw.message_id not in db.dead and _dead(db, row.owner, lease))
+
+
+def _dead(db: FakeDatabase, owner: str, lease: float) -> bool:
+    """The orphan GC's rule: no worker row, stopped, or a heartbeat older than the lease."""
+    w = db.workers.get(owner)
+    return w is None or w.stopped or time.monotonic() - w.heartbeat_at > lease
 
 
 def _held_by(worker_id: str, row: Row | None) -> bool:

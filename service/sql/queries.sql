@@ -4,47 +4,85 @@
 -- One statement per batch. Input is sorted by request_id so two workers claiming
 -- overlapping batches take the unique-index locks in the same order (no deadlock).
 -- $8: message attributes (jsonb text or NULL), $9: the S3 pointer the payload came from,
--- $10/$11: FIFO MessageGroupId and SequenceNumber (NULL on a standard queue).
+-- $10/$11: FIFO MessageGroupId and SequenceNumber (NULL on a standard queue), $12: the
+-- claim token of each message (a release deletes only the row carrying its token).
 -- FIFO order (SPEC §6): a message is held — not inserted, `held` — while an earlier message
 -- of its group (lower sequence number, another request) is IN_PROGRESS under anyone, dead
 -- or alive. Earlier messages of the same batch are the caller's (plan.classify).
+-- $13: the worker lease (seconds; NULL: off). A claim of one of these requests whose owner
+-- the orphan GC would collect — heartbeat older than the lease, stopped, or no worker row
+-- (gc_orphans' rule) — is taken over here, in this statement, instead of waiting for the
+-- GC: the message does not spend its receives (FIFO: its group's order) on a dead owner.
+-- A live owner's claim is never taken (SPEC §2.6), nor one a completing transaction holds
+-- locked (SKIP LOCKED: that owner is alive after all; nothing here ever waits).
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[],
-                         $8::text[], $9::text[], $10::text[], $11::numeric[])
+                         $8::text[], $9::text[], $10::text[], $11::numeric[], $12::uuid[])
         AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at,
-             message_attributes, payload_pointer, group_id, sequence_number)
+             message_attributes, payload_pointer, group_id, sequence_number, claim_token)
+), stale AS (
+    SELECT e.id, e.request_id, e.owner FROM modifications e
+      JOIN input i ON i.request_id = e.request_id
+     WHERE $13::float8 IS NOT NULL
+       AND e.status = 'IN_PROGRESS' AND e.owner IS DISTINCT FROM $7
+       AND NOT EXISTS (SELECT 1 FROM workers w
+                        WHERE w.worker_id = e.owner AND w.stopped_at IS NULL
+                          AND w.heartbeat_at >= now() - make_interval(secs => $13))
+       AND NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = i.sqs_message_id)
 ), held AS (
     SELECT i.request_id FROM input i
      WHERE i.group_id IS NOT NULL AND i.sequence_number IS NOT NULL
        AND EXISTS (SELECT 1 FROM modifications e
                     WHERE e.status = 'IN_PROGRESS' AND e.group_id = i.group_id
                       AND e.sequence_number < i.sequence_number
-                      AND e.request_id <> i.request_id)
+                      AND e.request_id <> i.request_id
+                      -- an earlier message of this batch whose dead owner's claim is
+                      -- taken over below: the caller orders the batch (plan.classify)
+                      AND e.id NOT IN (SELECT id FROM stale))
+), taken AS (
+    UPDATE modifications m
+       SET request_type = i.request_type, payload = i.payload::jsonb,
+           payload_sha256 = i.payload_sha256, sqs_message_id = i.sqs_message_id, owner = $7,
+           sent_at = i.sent_at, received_at = now(),
+           message_attributes = i.message_attributes::jsonb,
+           payload_pointer = i.payload_pointer, group_id = i.group_id,
+           sequence_number = i.sequence_number, claim_token = i.claim_token
+      FROM input i, stale s
+     WHERE m.id = s.id AND i.request_id = s.request_id
+       AND i.request_id NOT IN (SELECT request_id FROM held)
+       AND m.id IN (SELECT l.id FROM modifications l WHERE l.id IN (SELECT id FROM stale)
+                     ORDER BY l.request_id FOR UPDATE SKIP LOCKED)
+       -- rechecked on the row as locked: completed or claimed anew meanwhile, it stays
+       AND m.status = 'IN_PROGRESS' AND m.owner IS NOT DISTINCT FROM s.owner
+    RETURNING m.request_id, s.owner
 ), ins AS (
     INSERT INTO modifications
         (request_id, request_type, payload, payload_sha256, status, sqs_message_id, owner, sent_at,
-         message_attributes, payload_pointer, group_id, sequence_number)
+         message_attributes, payload_pointer, group_id, sequence_number, claim_token)
     SELECT request_id, request_type, payload::jsonb, payload_sha256, 'IN_PROGRESS',
            sqs_message_id, $7, sent_at, message_attributes::jsonb, payload_pointer, group_id,
-           sequence_number
+           sequence_number, claim_token
       FROM input
      -- This very SQS message was already dead-lettered (its ack failed or was cut
      -- short): never apply it after the fact.
      WHERE NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = input.sqs_message_id)
        AND input.request_id NOT IN (SELECT request_id FROM held)
+       AND input.request_id NOT IN (SELECT request_id FROM stale)
     ON CONFLICT (request_id) DO NOTHING
     RETURNING request_id
 )
 SELECT i.request_id,
-       ins.request_id IS NOT NULL AS claimed,
+       ins.request_id IS NOT NULL OR t.request_id IS NOT NULL AS claimed,
        m.status, m.request_type, m.payload_sha256, m.owner,
        coalesce(r.failures, 0) AS failures,
        EXISTS (SELECT 1 FROM dead_letters d WHERE d.sqs_message_id = i.sqs_message_id)
            AS dead_lettered,
        -- held only when no claim of its own exists (else: duplicate, conflict, contention)
-       h.request_id IS NOT NULL AND m.request_id IS NULL AS held
+       h.request_id IS NOT NULL AND m.request_id IS NULL AS held,
+       t.owner AS collected_from
   FROM input i
   LEFT JOIN ins ON ins.request_id = i.request_id
+  LEFT JOIN taken t ON t.request_id = i.request_id
   LEFT JOIN held h ON h.request_id = i.request_id
   LEFT JOIN modifications m ON m.request_id = i.request_id
   LEFT JOIN retry_attempts r ON r.request_id = i.request_id
@@ -108,11 +146,12 @@ SELECT request_id FROM done
 DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
 
 -- name: release
--- By (request_id, sqs_message_id): a batch gives back only the claims it made, never a
--- claim another batch of the same worker made for a duplicate delivery.
+-- By (request_id, claim_token): a batch gives back only the claims it made, never a claim
+-- another batch of the same worker made for a redelivery of the same SQS message (same
+-- MessageId), nor a later claim of the same request when the release comes late.
 DELETE FROM modifications m
- USING unnest($1::text[], $3::text[]) AS u(request_id, sqs_message_id)
- WHERE m.request_id = u.request_id AND m.sqs_message_id = u.sqs_message_id
+ USING unnest($1::text[], $3::uuid[]) AS u(request_id, claim_token)
+ WHERE m.request_id = u.request_id AND m.claim_token = u.claim_token
    AND m.owner = $2 AND m.status = 'IN_PROGRESS'
 RETURNING m.request_id
 

@@ -99,3 +99,19 @@ async def ledger_append_many(
         "  ORDER BY o",
         [r for r, _ in items], [p.group for _, p in items], [p.seq for _, p in items])
     return [{"seq": p.seq} for _, p in items]
+
+
+class StallingEntry(LedgerEntry):
+    seconds: float
+
+
+@handler("ledger.stall_first", StallingEntry)
+async def ledger_stall_first(p: StallingEntry, conn: asyncpg.Connection) -> dict[str, int]:
+    """A ledger append whose first run (per request, across processes: ``$CHAOS_DIR``)
+    sleeps ``seconds`` first: the process running it can be killed while it holds the
+    claim; a later run appends at once."""
+    if _record() == 1:
+        await asyncio.sleep(p.seconds)
+    await conn.execute("INSERT INTO chaos_ledger (request_id, grp, seq) VALUES ($1, $2, $3)",
+                       current_request_id(), p.group, p.seq)
+    return {"seq": p.seq}

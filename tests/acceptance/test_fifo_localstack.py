@@ -6,6 +6,8 @@ order."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import threading
 import time
@@ -13,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import boto3
 import pytest
 
@@ -25,6 +28,7 @@ from tests.acceptance.harness import (
     daemon_env,
     fifo_ledger,
     in_flight,
+    ledger,
     ledger_rows,
     log_events,
     send_fifo,
@@ -205,3 +209,75 @@ async def test_fifo_order_holds_when_messages_arrive_during_kill_9_restarts(
     assert not reordered, f"effects out of send order within a group: {reordered}"
     await check_invariants(database_url, w, sqs, queue_url)
     await check_group_order(database_url, groups=groups, per_group=per_group)
+
+
+@pytest.mark.timeout(300)
+async def test_a_head_claimed_by_a_killed_replica_is_taken_over_before_its_followers(
+    localstack: str, database_url: str, tmp_path: Path
+) -> None:
+    """Issue 37 item 5: FIFO with a RedrivePolicy (maxReceiveCount 3). Replica A is killed -9
+    while it holds the claim of a group's head; replica B, running beside it, must not spend
+    the head's receives on that dead claim until the orphan GC (here: never, its interval is
+    an hour) — at the last receive the head would be copied to the tail of its group and
+    its followers would overtake it. B takes the dead owner's claim over in its claim
+    statement: head, then followers, each once, nothing in the SQS dead-letter queue."""
+    sqs: Any = boto3.client("sqs", endpoint_url=localstack, region_name="us-east-1")
+    tag = uuid.uuid4().hex[:10]
+    dlq = sqs.create_queue(QueueName=f"dlq-{tag}.fifo", Attributes={"FifoQueue": "true"})[
+        "QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=dlq, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"]
+    # The visibility timeout (8 s) outlasts the lease (3 s): when the head comes back, its
+    # killed owner's heartbeat is stale by the GC's own rule.
+    queue_url = sqs.create_queue(QueueName=f"fifo-{tag}.fifo", Attributes={
+        "FifoQueue": "true", "ContentBasedDeduplication": "true", "VisibilityTimeout": "8",
+        "RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": 3})})[
+        "QueueUrl"]
+    w = Workload()
+    group = "g"
+    w.valid["g-1"] = ("ledger.append", group, 1)
+    head = json.dumps({"request_id": "g-1", "type": "ledger.stall_first",
+                       "payload": {"group": group, "seq": 1, "seconds": 120}})
+    followers = []
+    for seq in (2, 3, 4):
+        w.valid[f"g-{seq}"] = ("ledger.append", group, seq)
+        followers.append((group, ledger(f"g-{seq}", group, seq)))
+    env = {"INGEST_WORKER_LEASE": "3", "INGEST_GC_INTERVAL": "3600", "CHAOS_DIR": str(tmp_path)}
+    a = Daemon(daemon_env(database_url, queue_url, localstack, INGEST_WORKER_NAME="fifo-a",
+                          **env), tmp_path, "a")
+    b = Daemon(daemon_env(database_url, queue_url, localstack, INGEST_WORKER_NAME="fifo-b",
+                          **env), tmp_path, "b")
+    conn = await asyncpg.connect(database_url)
+    try:
+        a.start()
+        a.wait_ready()
+        send_fifo(sqs, queue_url, [(group, head)])
+        owner = None
+        for _ in range(300):  # bounded: the head claimed by A (its handler then stalls)
+            owner = await conn.fetchval("SELECT owner FROM modifications WHERE request_id ="
+                                        " 'g-1' AND status = 'IN_PROGRESS'")
+            if owner is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert owner is not None, a.logs()
+        send_fifo(sqs, queue_url, followers)  # behind the head, in its group
+        b.start()
+        b.wait_ready()
+        a.kill9()
+        wait_drained(sqs, queue_url, [b], timeout=120)
+        taken = b.metric("sqs_ingest_orphans_collected_total")
+        assert b.stop() == 0, b.logs()
+    finally:
+        await conn.close()
+        for d in (a, b):
+            if not d.exited():
+                d.kill9()
+    assert taken >= 1, b.logs()
+    assert [e["owner"] for e in log_events(b, "orphan_taken_over")] == [owner]
+    assert log_events(b, "requeued_fresh_copies") == [], "the head paid receives to a dead claim"
+    rows = await ledger_rows(database_url)
+    assert [r["seq"] for r in rows] == [1, 2, 3, 4], [tuple(r) for r in rows]
+    await check_invariants(database_url, w, sqs, queue_url)
+    dl = sqs.get_queue_attributes(QueueUrl=dlq, AttributeNames=["All"])["Attributes"]
+    assert (dl["ApproximateNumberOfMessages"], dl["ApproximateNumberOfMessagesNotVisible"]) == (
+        "0", "0")

@@ -46,7 +46,8 @@ class ResultStore(StoreSeam, OutboxSeam, Protocol):
 
 
 class Backend(Protocol):
-    async def store(self, worker_id: str, results: bool = False) -> ResultStore: ...
+    async def store(self, worker_id: str, results: bool = False,
+                    lease: float | None = None) -> ResultStore: ...
     async def kill(self, worker_id: str) -> None: ...
     async def statuses(self) -> dict[str, tuple[str, str]]: ...
     async def letters(self) -> dict[str, tuple[str, str]]: ...
@@ -62,8 +63,9 @@ class FakeBackend:
     def __init__(self) -> None:
         self.db = FakeDatabase()
 
-    async def store(self, worker_id: str, results: bool = False) -> ResultStore:
-        s = FakeStore(worker_id, self.db, results=results)
+    async def store(self, worker_id: str, results: bool = False,
+                    lease: float | None = None) -> ResultStore:
+        s = FakeStore(worker_id, self.db, results=results, lease=lease)
         await s.register_worker(worker_id)
         return s
 
@@ -132,12 +134,13 @@ class RealBackend:
         self.database_url = database_url
         self.outbox_pool: asyncpg.Pool | None = None  # the publishers', made on first use
 
-    async def store(self, worker_id: str, results: bool = False) -> ResultStore:
+    async def store(self, worker_id: str, results: bool = False,
+                    lease: float | None = None) -> ResultStore:
         if results and self.outbox_pool is None:
             self.outbox_pool = await create_pool(
                 f"{self.database_url}?lock_timeout={PUBLISHER_LOCK_TIMEOUT_MS}", 4)
         s = Store(self.pool, worker_id, results=results,
-                  outbox_pool=self.outbox_pool if results else None)
+                  outbox_pool=self.outbox_pool if results else None, lease=lease)
         await s.register_worker(worker_id)
         return s
 
@@ -193,7 +196,7 @@ class RealBackend:
         from service.settings import Settings
 
         step = next(s for s in STEPS if s.table == "outbox")
-        s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+        s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@127.0.0.1/d",
                      results_retention_days=retention_days)
         async with self.pool.acquire() as conn, conn.transaction():
             return (await delete_batch(conn, step, s, limit))["outbox"]
@@ -276,16 +279,45 @@ async def test_gc_of_an_earlier_incarnation_only_with_its_name(backend: Backend)
 
 async def test_release_gives_back_only_this_delivery(backend: Backend) -> None:
     a = await backend.store("w-a")
-    await a.claim([msg("r1", mid="sqs-1")])
-    await a.release([msg("r1", mid="sqs-2")])  # another delivery of the same request
+    first = msg("r1", mid="sqs-1")
+    await a.claim([first])
+    other = msg("r1", mid="sqs-2")  # another delivery of the same request: contention
+    assert not (await a.claim([other]))["r1"].claimed
+    await a.release([other])
+    # The same SQS message again (a redelivery keeps its MessageId), parsed by another batch
+    # that met the claim: its release is not the claim's either.
+    redelivered = msg("r1", mid="sqs-1")
+    assert not (await a.claim([redelivered]))["r1"].claimed
+    await a.release([redelivered])
+    await a.release([msg("r1", mid="sqs-1")])  # never claimed anything
     assert await backend.statuses() == {"r1": ("IN_PROGRESS", "w-a")}
-    await a.release([msg("r1", mid="sqs-1")])
+    await a.release([first])
     assert await backend.statuses() == {}
     # A completed request is never given back, even by the delivery that completed it.
-    await a.claim([msg("r2", mid="sqs-3")])
-    await a.apply([msg("r2", mid="sqs-3")], ok)
-    await a.release([msg("r2", mid="sqs-3")])
+    done = msg("r2", mid="sqs-3")
+    await a.claim([done])
+    await a.apply([done], ok)
+    await a.release([done])
     assert await backend.statuses() == {"r2": ("COMPLETED", "w-a")}
+
+
+async def test_a_late_release_never_takes_a_later_claim_of_the_same_message(
+    backend: Backend,
+) -> None:
+    """A batch given back during an outage releases its claims once the database is back
+    (``PlanExecutor.release_unreleased``); meanwhile the own-leak GC may have collected them
+    and a later batch of the same worker claimed the same message again."""
+    a = await backend.store("w-a")
+    stranded = msg("r1", mid="sqs-1")
+    await a.claim([stranded])
+    await backend.age_claims(["r1"], 60)
+    assert await a.gc_own_leaks([]) == ["r1"]
+    later = msg("r1", mid="sqs-1")
+    assert (await a.claim([later]))["r1"].claimed
+    await a.release([stranded])
+    assert await backend.statuses() == {"r1": ("IN_PROGRESS", "w-a")}
+    await a.release([later])
+    assert await backend.statuses() == {}
 
 
 async def test_failure_is_isolated_counted_then_dead_lettered(backend: Backend) -> None:
@@ -394,8 +426,9 @@ async def test_outbox_rows_come_with_the_outcome_only_when_results_are_on(
         letter("m-reuse", "idempotency_key_reused", "r1"),  # another request's key: none
         letter("m-nokey", "invalid_json", None),  # no request_id: nobody to tell
     ])
-    await a.claim([msg("r3")])
-    assert await a.record_failures([(msg("r3"), "boom")], max_failures=1) == {"r3": 1}
+    r3 = msg("r3")
+    await a.claim([r3])
+    assert await a.record_failures([(r3, "boom")], max_failures=1) == {"r3": 1}
     assert await backend.outbox() == [
         ("p1", "FAILED", None, "invalid_payload", "g2", False),
         ("r1", "COMPLETED", {"n": 1}, None, "g1", False),
@@ -564,18 +597,21 @@ async def test_the_publisher_is_woken_only_when_a_failure_wrote_a_result(
     (nothing to wake it for), the one that dead-letters does — and with results off no
     failure writes one."""
     a = await backend.store("w-a", results=True)
-    await a.claim([msg("r1")])
-    assert await a.record_failures([(msg("r1"), "boom")], max_failures=2) == {"r1": 1}
+    r1 = msg("r1")
+    await a.claim([r1])
+    assert await a.record_failures([(r1, "boom")], max_failures=2) == {"r1": 1}
     assert await backend.outbox() == []
     assert not a.outbox_written.is_set()
-    await a.claim([msg("r1")])
-    assert await a.record_failures([(msg("r1"), "boom")], max_failures=2) == {"r1": 2}
+    r1 = msg("r1")
+    await a.claim([r1])
+    assert await a.record_failures([(r1, "boom")], max_failures=2) == {"r1": 2}
     assert [row[:2] for row in await backend.outbox()] == [("r1", "FAILED")]
     assert a.outbox_written.is_set()
 
     off = await backend.store("w-off")
-    await off.claim([msg("r2")])
-    assert await off.record_failures([(msg("r2"), "boom")], max_failures=1) == {"r2": 1}
+    r2 = msg("r2")
+    await off.claim([r2])
+    assert await off.record_failures([(r2, "boom")], max_failures=1) == {"r2": 1}
     assert (await backend.letters())["m-r2-1"][0] == "max_receives_exceeded"
     assert not off.outbox_written.is_set()
 
@@ -756,3 +792,63 @@ async def test_ping_and_schema_check(backend: Backend) -> None:
     with pytest.raises(DatabaseUnavailable):
         await a.claim([msg("r1")])
 
+
+
+async def test_claim_takes_over_a_dead_owners_claim_never_a_live_ones(backend: Backend) -> None:
+    """With the lease given, the claim statement collects a claim in its way whose owner the
+    orphan GC would collect (heartbeat older than the lease), in the same statement; a live
+    owner's claim stays contention (SPEC §2.6)."""
+    live, dead = await backend.store("w-live"), await backend.store("w-dead")
+    await live.claim([msg("r-live")])
+    await dead.claim([msg("r-dead", mid="m-dead")])
+    await backend.kill("w-dead")
+    b = await backend.store("w-b", lease=30)
+    mine = msg("r-dead", mid="m-again")
+    got = await b.claim([msg("r-live"), mine])
+    assert (got["r-live"].claimed, got["r-live"].owner, got["r-live"].collected_from) == (
+        False, "w-live", None)
+    assert (got["r-dead"].claimed, got["r-dead"].collected_from) == (True, "w-dead")
+    assert await backend.statuses() == {"r-live": ("IN_PROGRESS", "w-live"),
+                                        "r-dead": ("IN_PROGRESS", "w-b")}
+    # The dead owner coming back late is fenced out; the new owner completes it once.
+    late = await dead.apply([msg("r-dead", mid="m-dead")], ok)
+    assert late.completed == [] and [m.request_id for m in late.lost] == ["r-dead"]
+    assert [m.request_id for m, _ in (await b.apply([mine], ok)).completed] == ["r-dead"]
+    # Without a lease nothing is taken over, however long the owner has been dead.
+    await backend.kill("w-live")
+    assert not (await (await backend.store("w-c")).claim([msg("r-live")]))["r-live"].claimed
+    # A taken-over claim is the taker's own: released by its token like any claim.
+    again = msg("r-live", mid="m-live-2")
+    assert (await b.claim([again]))["r-live"].collected_from == "w-live"
+    await b.release([again])
+    assert "r-live" not in await backend.statuses()
+
+
+async def test_fifo_head_of_a_dead_owner_is_taken_over_with_its_followers(
+    backend: Backend,
+) -> None:
+    """A FIFO head claimed by a dead owner, received again with its follower in one batch:
+    both are claimed in that statement (the caller orders them). Behind a live owner's head
+    the follower stays held; a follower received without its head stays held too (only the
+    batch's own requests are taken over)."""
+    dead = await backend.store("w-dead")
+    await dead.claim([msg("h", 1, group="G", seq=SEQ + 1)])
+    await backend.kill("w-dead")
+    b = await backend.store("w-b", lease=30)
+    alone = await b.claim([msg("f", 2, group="G", seq=SEQ + 2)])
+    assert (alone["f"].claimed, alone["f"].held) == (False, True)
+    both = await b.claim([msg("h", 1, group="G", seq=SEQ + 1),
+                          msg("f", 2, group="G", seq=SEQ + 2)])
+    assert {k: (v.claimed, v.held, v.collected_from) for k, v in both.items()} == {
+        "h": (True, False, "w-dead"), "f": (True, False, None)}
+    live = await backend.store("w-live")
+    await live.claim([msg("h2", 1, group="K", seq=SEQ + 1)])
+    behind = await b.claim([msg("h2", 1, group="K", seq=SEQ + 1),
+                            msg("f2", 2, group="K", seq=SEQ + 2)])
+    assert {k: (v.claimed, v.held) for k, v in behind.items()} == {
+        "h2": (False, False), "f2": (False, True)}
+    # A follower's own dead claim is not taken over while its head is unfinished elsewhere.
+    await dead.claim([msg("f3", 2, group="M", seq=SEQ + 2)])
+    await live.claim([msg("h3", 1, group="M", seq=SEQ + 1)])
+    waits = (await b.claim([msg("f3", 2, mid="m-f3-again", group="M", seq=SEQ + 2)]))["f3"]
+    assert (waits.claimed, waits.collected_from, waits.owner) == (False, None, "w-dead")

@@ -100,13 +100,14 @@ async def test_failing_handler_rolls_back_only_itself(pool: asyncpg.Pool, db: as
     assert [m.request_id for m, _ in res.failed] == ["bad"]
     assert sorted(await db.fetch("SELECT entity_id FROM entities"), key=str) == sorted(
         await db.fetch("SELECT unnest(ARRAY['e-r1','e-r3']) AS entity_id"), key=str)
-    counts = await a.record_failures([(msg("bad"), "RuntimeError: boom")], max_failures=2)
+    counts = await a.record_failures([(batch[1], "RuntimeError: boom")], max_failures=2)
     assert counts == {"bad": 1}
     assert await db.fetchval("SELECT count(*) FROM modifications WHERE request_id='bad'") == 0
     assert await db.fetchval("SELECT last_error FROM retry_attempts") == "RuntimeError: boom"
     # A second failure reaches the limit: dead letter in the same transaction.
-    await a.claim([msg("bad")])
-    counts = await a.record_failures([(msg("bad"), "RuntimeError: boom")], max_failures=2)
+    again = msg("bad")
+    await a.claim([again])
+    counts = await a.record_failures([(again, "RuntimeError: boom")], max_failures=2)
     assert counts == {"bad": 2}
     row = await db.fetchrow("SELECT reason, error, request_id FROM dead_letters")
     assert (row["reason"], row["request_id"]) == ("max_receives_exceeded", "bad")
@@ -571,7 +572,7 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
 
     a = await registered(pool, "w-a")
     b = await registered(pool, "w-b")
-    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@127.0.0.1/d",
                  worker_name="replica-a")
     beat = Maintenance(s, None, a, SimpleNamespace(is_up=True),  # type: ignore[arg-type]
                        [], ReceiveLimit(5)).beat  # why: stand-ins for queue and health
@@ -754,7 +755,7 @@ async def test_startup_gc_reads_the_database_clock_not_the_local_one(
     later = Store(pool, "w-later")
     await later.register_worker("replica-0")
     await later.claim([msg("a-later-one")])
-    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@h/d",
+    s = Settings(queue_url="http://127.0.0.1:1/q", database_url="postgresql://u@127.0.0.1/d",
                  worker_name="replica-0")
     # why the ignore below: startup GC never touches the queue
     w = worker_module.Worker(s, None, new, default_registry,  # type: ignore[arg-type]
@@ -813,8 +814,9 @@ async def test_completion_clears_the_failure_count_of_a_retried_request(
     pool: asyncpg.Pool, db: asyncpg.Connection
 ) -> None:
     a = await registered(pool, "w-a")
-    await a.claim([msg("r1"), msg("r2")])
-    await a.record_failures([(msg("r1"), "boom"), (msg("r2"), "boom")], max_failures=5)
+    r1, r2 = msg("r1"), msg("r2")
+    await a.claim([r1, r2])  # the claimed messages carry their claim's token
+    await a.record_failures([(r1, "boom"), (r2, "boom")], max_failures=5)
     claims = await a.claim([msg("r1")])
     retried = msg("r1")
     retried.failures = claims["r1"].failures  # as the worker does
@@ -1080,10 +1082,11 @@ async def test_results_are_off_unless_asked(pool: asyncpg.Pool, db: asyncpg.Conn
     failure that dead-letters write no row (a deployment without a destination must not
     fill a table nobody empties)."""
     a = await registered(pool, "w-a")
-    await a.claim([msg("r1"), msg("r2")])
+    r2 = msg("r2")
+    await a.claim([msg("r1"), r2])
     assert len((await a.apply([msg("r1")], ok_handler)).completed) == 1
     await a.dead_letter([DeadLetter("m-x", "{}", "invalid_payload", "bad", "rx", "t", 1)])
-    assert await a.record_failures([(msg("r2"), "boom")], max_failures=1) == {"r2": 1}
+    assert await a.record_failures([(r2, "boom")], max_failures=1) == {"r2": 1}
     assert await db.fetchval("SELECT count(*) FROM dead_letters") == 2
     assert await db.fetchval("SELECT count(*) FROM outbox") == 0
     assert not a.outbox_written.is_set()
@@ -1149,3 +1152,42 @@ async def test_a_connection_that_cannot_go_back_to_the_pool_is_an_outage_naming_
     assert str(caught.value) == (
         "database unavailable: ConnectionResetError: connection reset by peer")
     assert isinstance(caught.value.__cause__, ConnectionResetError)
+
+
+async def test_claim_takes_over_only_claims_the_gc_would_collect_and_never_waits(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """Two sessions. The claim statement (with a lease) takes over a claim whose owner's
+    heartbeat is older than the lease, that stopped, or that has no worker row — never a
+    live owner's (fresh heartbeat), and never one a transaction of another session holds
+    locked (the owner's completing transaction: SKIP LOCKED, the claim does not wait)."""
+    live, stale, stopped = [await registered(pool, w) for w in ("w-live", "w-stale", "w-stop")]
+    await live.claim([msg("r-live")])
+    await stale.claim([msg("r-stale"), msg("r-locked")])
+    await stopped.claim([msg("r-stopped")])
+    await Store(pool, "w-gone").claim([msg("r-gone")])  # never registered: no worker row
+    await db.execute("UPDATE workers SET heartbeat_at = now() - interval '31 seconds'"
+                     " WHERE worker_id = 'w-stale'")
+    await db.execute("UPDATE workers SET heartbeat_at = now() - interval '29 seconds'"
+                     " WHERE worker_id = 'w-live'")
+    await db.execute("UPDATE workers SET stopped_at = now() WHERE worker_id = 'w-stop'")
+    await db.execute("UPDATE modifications SET received_at = now() - interval '1 hour'")
+    taker = Store(pool, "w-taker", lease=30)
+    await taker.register_worker("taker")
+    ids = ["r-live", "r-stale", "r-locked", "r-stopped", "r-gone"]
+    async with db.transaction():
+        await db.execute("SELECT 1 FROM modifications WHERE request_id = 'r-locked' FOR UPDATE")
+        got = await asyncio.wait_for(taker.claim([msg(r, mid=f"again-{r}") for r in ids]), 30)
+    assert {r: (c.claimed, c.collected_from) for r, c in got.items()} == {
+        "r-live": (False, None), "r-stale": (True, "w-stale"), "r-locked": (False, None),
+        "r-stopped": (True, "w-stop"), "r-gone": (True, "w-gone")}
+    assert got["r-locked"].owner == "w-stale"
+    owners = dict(await db.fetch("SELECT request_id, owner FROM modifications"))
+    assert owners == {"r-live": "w-live", "r-stale": "w-taker", "r-locked": "w-stale",
+                      "r-stopped": "w-taker", "r-gone": "w-taker"}
+    row = await db.fetchrow("SELECT sqs_message_id, status, received_at > now() - interval"
+                            " '1 minute' AS fresh FROM modifications WHERE request_id = 'r-stale'")
+    assert tuple(row) == ("again-r-stale", "IN_PROGRESS", True)
+    # The lock gone, the stale owner's claim is taken over too.
+    again = await taker.claim([msg("r-locked", mid="again-r-locked")])
+    assert (again["r-locked"].claimed, again["r-locked"].collected_from) == (True, "w-stale")

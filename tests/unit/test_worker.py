@@ -341,6 +341,38 @@ async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
     assert not [e for e in logs if e["event"] == "batch_failed"]
 
 
+async def test_a_fifo_head_claimed_by_a_dead_worker_is_taken_over_not_deferred(
+    registry: Registry, calls: list[int]
+) -> None:
+    """Its owner died after the startup GC, and the next GC pass is an hour away: the claim
+    statement takes the head's claim over (counted as an orphan collected), and the head
+    and its follower are applied in order in the same receive, nothing deferred."""
+    from service import metrics
+    from service.testing import FakeWorker, Row
+
+    q = RecordingQueue(fifo=True)
+    store = FakeStore(lease=3)
+    store.db.workers["dead"] = FakeWorker("dead")
+    store.rows["h"] = Row("h", "note", _hash({"n": 1}), "IN_PROGRESS", "dead", group_id="A",
+                          sequence_number=1)
+    h = Harness(settings(queue_url="http://127.0.0.1:1/q.fifo", gc_interval=3600), registry,
+                q, store)
+    before = metrics.orphans_collected._value.get()
+    with capture_logs() as logs:
+        async with h:
+            await until(lambda: "receive" in q.events, "the startup GC done, polling")
+            store.db.age_worker("dead", 3600)
+            q.send(body("h", 1), "A")
+            q.send(body("f", 2), "A")
+            await until(lambda: not q.messages, "both applied")
+    assert calls == [1, 2] and q.visibility_calls == []
+    assert {r: (row.status, row.owner) for r, row in store.rows.items()} == {
+        "h": ("COMPLETED", "fake-worker"), "f": ("COMPLETED", "fake-worker")}
+    assert metrics.orphans_collected._value.get() - before == 1
+    assert [(e["request_id"], e["owner"]) for e in logs
+            if e["event"] == "orphan_taken_over"] == [("h", "dead")]
+
+
 async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, calls: list[int]) -> None:
     from service.seams import DeadLetter
 
