@@ -19,7 +19,10 @@ commits, or it rolls back and says what happens next:
   (``HandlerClosedConnection``) or left busy with a query it did not wait for (the rollback
   cannot run: the connection is closed) — the next attempt runs on another connection;
 * a handler ended the transaction itself (COMMIT or ROLLBACK: seen at once, no round trip):
-  its failure, ``HandlerEndedTransaction``, before the next handler runs outside it;
+  its failure, ``HandlerEndedTransaction``, before the next handler runs outside it. Its
+  COMMIT commits nothing (``Transaction.guard_commit``): it fails and rolls back, so what the
+  handlers before it wrote is never committed while their rows are IN_PROGRESS (a rerun, or
+  a crash and a redelivery, would apply it twice); they run again in the next attempt;
 * a batch form declined (returned None): the attempt is rolled back and run again with
   those messages one by one — it may have written before declining;
 * the transaction was found aborted after a handler returned (it caught a database error and
@@ -62,6 +65,8 @@ class HandlerClosedConnection(Exception):
     the next attempt runs on another connection."""
 
 
+ENDED_BY_HANDLER = "the handler ended the transaction (COMMIT/ROLLBACK)"
+
 #: ``Transactions.ended()``: how the attempt's transaction ended, when it did.
 ENDED = "ended"  # COMMIT/ROLLBACK on an open connection
 CLOSED = "closed"  # the connection was closed by a call in this process (a handler)
@@ -83,6 +88,11 @@ class Transaction(Protocol):
     async def fence(self, request_ids: Sequence[str]) -> set[str]:
         """The request_ids still claimed by this worker, locked until the transaction ends
         (a claim collected by GC is not among them)."""
+
+    async def guard_commit(self) -> None:
+        """Before the handlers run: until ``complete()`` has run, a COMMIT fails and rolls
+        the transaction back — a handler's COMMIT commits nothing (not its neighbours'
+        writes while their rows are IN_PROGRESS, not its own)."""
 
     async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
         """Mark ``live`` COMPLETED with their results (JSON text, or None), fenced on the
@@ -237,6 +247,8 @@ class _Attempt:
     async def _complete(self, txn: Transaction, todo: list[Message]) -> _Committed:
         held = await txn.fence([m.request_id for m in todo])
         live, lost, blocked = split_fenced(todo, held, self.fifo)
+        if live:
+            await txn.guard_commit()
         results = await self._handlers(txn, live)
         outputs = [results[id(m)] for m in live]
         if live:
@@ -269,6 +281,11 @@ class _Attempt:
                 await self._still_open(txn)
             except Exception as exc:
                 await self._raise_if_outage(exc, "a handler")
+                if not isinstance(exc, HandlerEndedTransaction) and self.txns.ended() == ENDED:
+                    # Its COMMIT failed (guard_commit), or it rolled back, and then it raised
+                    # (that error, most often): it ended the transaction all the same.
+                    raise _Abort(_Failed(m, HandlerEndedTransaction(
+                        f"{ENDED_BY_HANDLER}; then it raised {type(exc).__name__}"))) from exc
                 if self.may_rerun and self.txns.is_conflict(exc):
                     raise _Abort(_Rerun()) from exc
                 if not self.probe and self.txns.is_aborted(exc):
@@ -324,7 +341,7 @@ class _Attempt:
             raise DatabaseUnavailable("the connection closed while the handler ran, and not "
                                       "by a call in this process (the server or the network)")
         if how is not None:
-            raise HandlerEndedTransaction("the handler ended the transaction (COMMIT/ROLLBACK)")
+            raise HandlerEndedTransaction(ENDED_BY_HANDLER)
         if self.probe:
             try:
                 await txn.probe()

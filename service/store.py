@@ -400,12 +400,9 @@ class _PgTransactions:
         except asyncpg.InterfaceError:
             return True
 
-    def _closed_here(self) -> bool:
-        return bool(self.raw.closed_by_call)
-
     async def is_outage(self, exc: BaseException) -> bool:
         if self._gone():
-            return not self._closed_here()
+            return not self.raw.closed_by_call
         if not isinstance(
             exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError
         ):
@@ -415,7 +412,7 @@ class _PgTransactions:
         try:
             await self.probe()
         except Exception:
-            return self._gone() and not self._closed_here()
+            return self._gone() and not self.raw.closed_by_call
         return False
 
     def is_conflict(self, exc: BaseException) -> bool:
@@ -435,7 +432,7 @@ class _PgTransactions:
             pass  # detached: closed
         if not self._gone():
             return completion.ENDED
-        return completion.CLOSED if self._closed_here() else completion.LOST
+        return completion.CLOSED if self.raw.closed_by_call else completion.LOST
 
     async def probe(self) -> None:
         await self.conn.execute("SELECT 1")
@@ -443,6 +440,12 @@ class _PgTransactions:
     async def fence(self, request_ids: Sequence[str]) -> set[str]:
         rows = await self.conn.fetch(Q["fence"], list(request_ids), self.owner)
         return {r["request_id"] for r in rows}
+
+    async def guard_commit(self) -> None:
+        # A cursor WITH HOLD runs its query when the transaction commits, and an error there
+        # fails the COMMIT (the transaction rolls back); the completing statement sets
+        # sqs_ingest.completing, which lets it pass. Simple protocol: nothing to prepare.
+        await self.conn.execute(Q["guard_commit"])
 
     async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
         ids = [m.request_id for m in live]
