@@ -23,6 +23,11 @@ commits, or it rolls back and says what happens next:
   COMMIT commits nothing (``Transaction.guard_commit``): it fails and rolls back, so what the
   handlers before it wrote is never committed while their rows are IN_PROGRESS (a rerun, or
   a crash and a redelivery, would apply it twice); they run again in the next attempt;
+* the COMMIT itself raised: a conflict (a serialization failure found at commit, a deadlock
+  in a deferred trigger) is rerun as one in a handler; anything else (a deferred constraint
+  one message violates) splits the messages into halves, each attempted in transactions of
+  its own, until the message it belongs to is alone and fails; a database gone, or in
+  trouble of its own (the store raises ``DatabaseUnavailable``), is an outage;
 * a batch form declined (returned None): the attempt is rolled back and run again with
   those messages one by one — it may have written before declining;
 * the transaction was found aborted after a handler returned (it caught a database error and
@@ -152,6 +157,8 @@ async def complete(
         if isinstance(step, _Committed):
             step.into(result)
             return result
+        if isinstance(step, _Split):
+            return await _halves(txns, todo, call, fifo, batch, result)
         if isinstance(step, _Failed):
             result.failed.append((step.message, step.error))
             result.blocked.extend(drop_with_followers(todo, step.message, fifo))
@@ -166,6 +173,32 @@ async def complete(
             declined.add(step.key)  # its writes are rolled back; these go one by one
         else:
             singly = True  # a batch call failed: find the failing message
+
+
+async def _halves(
+    txns: Transactions, todo: list[Message], call: HandlerCall, fifo: bool,
+    batch: Batching | None, result: ApplyResult,
+) -> ApplyResult:
+    """Complete each half of ``todo`` in transactions of its own (their COMMIT together
+    failed, not on a conflict), into ``result``. On FIFO, the later messages of a group
+    that the first half did not complete are blocked behind it, as within one attempt."""
+    mid = len(todo) // 2
+    rest = todo[mid:]
+    for part in (todo[:mid], rest):
+        if not part:
+            break
+        done = await complete(txns, part, call, fifo, batch)
+        result.completed.extend(done.completed)
+        result.failed.extend(done.failed)
+        result.lost.extend(done.lost)
+        result.blocked.extend(done.blocked)
+        result.committed_at = max(result.committed_at, done.committed_at)
+        if fifo and part is not rest:
+            stopped = {m.raw.group_id for m in (*(f for f, _ in done.failed), *done.lost,
+                                                *done.blocked)} - {None}
+            result.blocked.extend(m for m in rest if m.raw.group_id in stopped)
+            rest[:] = [m for m in rest if m.raw.group_id not in stopped]
+    return result
 
 
 @dataclass(slots=True)
@@ -210,7 +243,12 @@ class _Declined:
     key: object
 
 
-_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe | _Declined
+class _Split:
+    """The COMMIT failed, not on a conflict that a rerun may mend: each half of the messages
+    in a transaction of its own, until the one it belongs to is alone."""
+
+
+_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe | _Declined | _Split
 
 
 class _Abort(Exception):
@@ -238,11 +276,32 @@ class _Attempt:
         self.declined = declined
 
     async def run(self, todo: list[Message]) -> _Step:
+        committing = False
         try:
             async with self.txns.attempt() as txn:
-                return await self._complete(txn, todo)
+                step = await self._complete(txn, todo)
+                committing = True
+            return step
         except _Abort as abort:
             return abort.step
+        except Exception as exc:
+            if not committing:
+                raise
+            return await self._commit_failed(exc, todo)
+
+    async def _commit_failed(self, exc: Exception, todo: list[Message]) -> _Step:
+        """The COMMIT raised (the transaction is rolled back): a deferred constraint, a
+        serialization failure found at commit, a deadlock in a deferred trigger. A conflict
+        is rerun as in a handler; anything else belongs to one of the messages, not to all:
+        the halves run apart until it is alone, and then it is that message's failure."""
+        if isinstance(exc, DatabaseUnavailable):
+            raise exc  # the store's verdict: gone, or the database's own trouble
+        await self._raise_if_outage(exc, "the commit")
+        if self.may_rerun and self.txns.is_conflict(exc):
+            return _Rerun()
+        if len(todo) > 1:
+            return _Split()
+        return _Failed(todo[0], exc)
 
     async def _complete(self, txn: Transaction, todo: list[Message]) -> _Committed:
         held = await txn.fence([m.request_id for m in todo])

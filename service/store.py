@@ -481,6 +481,16 @@ class _PgTransactions:
             await self.pool.release(conn)
 
 
+#: Errors at COMMIT of the database's own making: no rerun or split would mend them.
+_DATABASE_AT_COMMIT: tuple[type[BaseException], ...] = (
+    asyncpg.InsufficientResourcesError,  # 53: disk full, out of memory, too many connections
+    asyncpg.OperatorInterventionError,  # 57: statement timeout, cancel, admin shutdown
+    asyncpg.ReadOnlySQLTransactionError,  # 25006: the server went read-only (a failover)
+    asyncpg.PostgresSystemError,  # 58: an I/O error
+    asyncpg.InternalServerError,  # XX: data corrupted, an internal error
+)
+
+
 class _PgAttempt:
     """``async with``: one asyncpg transaction, yielding the seam itself (a small class, not
     ``@asynccontextmanager``: it runs once per attempt on the hot path)."""
@@ -509,6 +519,12 @@ class _PgAttempt:
                 raise
             if not self._txns._gone():
                 self._txns.conn.terminate()
+        except _DATABASE_AT_COMMIT as commit_exc:
+            # The database's own trouble at COMMIT (a statement timeout, a full disk, an
+            # operator's cancel): an outage, never a message's failure (SPEC §7).
+            if exc is not None:
+                raise
+            raise unavailable(commit_exc) from commit_exc
 
 
 def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:

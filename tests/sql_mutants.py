@@ -74,6 +74,8 @@ MUTANTS: list[SqlMutant] = [
     M("fence_no_for_update", "fence", "   FOR UPDATE", "",
       ('tests/integration/test_store.py::test_gc_skips_a_claim_being_completed',)),
     # -- guard_commit ---------------------------------------------------------------------
+    M("guard_commit_no_close", "guard_commit", "CLOSE ALL;\n", "",
+      ('tests/integration/test_commit_phase.py::test_a_deferred_constraint_one_message_violates_fails_it_alone',)),
     M("guard_commit_always_passes", "guard_commit",
       "CASE current_setting('sqs_ingest.completing', true) WHEN", "CASE 'on' WHEN",
       ('tests/integration/test_handler_boundary.py::test_a_handler_that_commits_costs_its_neighbours_nothing',)),
