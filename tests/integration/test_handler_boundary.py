@@ -419,3 +419,31 @@ async def test_a_handler_that_commits_costs_its_neighbours_nothing(
     assert await failures(fx, "commits") == 1
     assert (await last_error(fx, "commits") or "").startswith(
         "HandlerEndedTransaction: the handler ended the transaction (COMMIT/ROLLBACK)")
+
+
+async def test_a_batch_form_that_commits_costs_its_group_nothing(
+    database_url: str, fx: asyncpg.Connection
+) -> None:
+    """The batch form's COMMIT is refused like a plain handler's: the attempt is rerun one by
+    one, where the message whose handler commits fails alone and the others apply once."""
+    async def one(_p: P, conn: Any) -> dict[str, Any]:
+        await effect(conn)
+        if current_request_id() == "commits":
+            await conn.execute("COMMIT")
+        return {"ok": True}
+
+    async def many(items: list[tuple[str, P]], conn: Any) -> list[dict[str, Any]]:
+        await conn.executemany("INSERT INTO fx VALUES ($1)", [(rid,) for rid, _ in items])
+        if any(rid == "commits" for rid, _ in items):
+            await conn.execute("COMMIT")
+        return [{"ok": True} for _ in items]
+
+    reg = registry(ok=one)
+    reg.register_batch("ok", many)
+    async with Rig(database_url, reg) as rig:
+        for rid in ("a", "commits", "b"):
+            rig.queue.send(body(rid, "ok"))
+        await rig.round()
+    assert [await effects(fx, r) for r in ("a", "b", "commits")] == [1, 1, 0]
+    assert [await status(fx, r) for r in ("a", "b")] == ["COMPLETED", "COMPLETED"]
+    assert (await last_error(fx, "commits") or "").startswith("HandlerEndedTransaction: ")
