@@ -484,7 +484,7 @@ class _PgTransactions:
 #: Errors at COMMIT of the database's own making: no rerun or split would mend them.
 _DATABASE_AT_COMMIT: tuple[type[BaseException], ...] = (
     asyncpg.InsufficientResourcesError,  # 53: disk full, out of memory, too many connections
-    asyncpg.OperatorInterventionError,  # 57: statement timeout, cancel, admin shutdown
+    asyncpg.OperatorInterventionError,  # 57: a cancel (57014), an admin shutdown
     asyncpg.ReadOnlySQLTransactionError,  # 25006: the server went read-only (a failover)
     asyncpg.PostgresSystemError,  # 58: an I/O error
     asyncpg.InternalServerError,  # XX: data corrupted, an internal error
@@ -520,8 +520,9 @@ class _PgAttempt:
             if not self._txns._gone():
                 self._txns.conn.terminate()
         except _DATABASE_AT_COMMIT as commit_exc:
-            # The database's own trouble at COMMIT (a statement timeout, a full disk, an
-            # operator's cancel): an outage, never a message's failure (SPEC §7).
+            # The database's own trouble at COMMIT (an operator's cancel, a full disk, a
+            # shutdown; statement_timeout is not armed during COMMIT): an outage, never a
+            # message's failure (SPEC §7).
             if exc is not None:
                 raise
             raise unavailable(commit_exc) from commit_exc
