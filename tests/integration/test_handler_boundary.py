@@ -432,7 +432,7 @@ async def test_a_batch_form_that_commits_costs_its_group_nothing(
             await conn.execute("COMMIT")
         return {"ok": True}
 
-    async def many(items: list[tuple[str, P]], conn: Any) -> list[dict[str, Any]]:
+    async def many(items: list[tuple[str, P]], conn: Any) -> list[dict[str, Any] | None] | None:
         await conn.executemany("INSERT INTO fx VALUES ($1)", [(rid,) for rid, _ in items])
         if any(rid == "commits" for rid, _ in items):
             await conn.execute("COMMIT")
