@@ -168,3 +168,40 @@ async def test_an_error_before_the_commit_is_not_taken_for_one_at_commit() -> No
     with pytest.raises(RuntimeError, match="completing statement"):
         await run(txns, [message("a"), message("b")])
     assert txns.commits == []
+
+
+async def test_on_fifo_a_group_split_across_halves_stays_in_order() -> None:
+    """The failed head's follower in its own half is blocked (not completed before it);
+    so is one in the other half; a half left empty by that ends the split cleanly."""
+    txns = Txns(lambda done: Deferred("23503") if "g1-a" in done else None)
+    res = await run(txns, [message("g1-a", "g1"), message("g1-b", "g1"), message("g2-a", "g2"),
+                           message("g2-b", "g2")], fifo=True)
+    assert [m.request_id for m, _ in res.failed] == ["g1-a"]
+    assert ids(res.blocked) == ["g1-b"]
+    assert ids([m for m, _ in res.completed]) == ["g2-a", "g2-b"]
+    txns = Txns(lambda done: Deferred("23503") if "g1-a" in done else None)
+    res = await run(txns, [message("g1-a", "g1"), message("g1-b", "g1")], fifo=True)
+    assert res is not None and ids(res.blocked) == ["g1-b"] and not res.completed
+
+
+async def test_on_fifo_a_failure_in_the_second_half_blocks_its_follower_once() -> None:
+    txns = Txns(lambda done: Deferred("23503") if "g-x" in done else None)
+    res = await run(txns, [message("a", "ga"), message("b", "gb"), message("g-x", "g"),
+                           message("g-y", "g")], fifo=True)
+    assert [m.request_id for m, _ in res.failed] == ["g-x"]
+    assert ids(res.blocked) == ["g-y"]
+    assert ids([m for m, _ in res.completed]) == ["a", "b"]
+
+
+async def test_a_connection_lost_at_commit_is_an_outage_named_so() -> None:
+    class Lost(Exception):
+        pass
+
+    class Gone(Txns):
+        async def is_outage(self, exc: BaseException) -> bool:
+            return isinstance(exc, Lost)
+
+    txns = Gone(lambda done: Lost("connection reset at COMMIT"))
+    with pytest.raises(DatabaseUnavailable, match="connection lost in the commit: Lost"):
+        await run(txns, [message("a"), message("b")])
+    assert len(txns.commits) == 1

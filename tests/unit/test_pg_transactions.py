@@ -91,6 +91,7 @@ async def test_the_databases_own_trouble_at_commit_is_an_outage(error: Exception
     with pytest.raises(DatabaseUnavailable) as raised:
         await attempt.__aexit__(None, None, None)
     assert raised.value.__cause__ is error
+    assert str(raised.value) == f"database unavailable: {type(error).__name__}: {error}"
 
 
 @pytest.mark.parametrize("error", [
