@@ -19,7 +19,15 @@ commits, or it rolls back and says what happens next:
   (``HandlerClosedConnection``) or left busy with a query it did not wait for (the rollback
   cannot run: the connection is closed) — the next attempt runs on another connection;
 * a handler ended the transaction itself (COMMIT or ROLLBACK: seen at once, no round trip):
-  its failure, ``HandlerEndedTransaction``, before the next handler runs outside it;
+  its failure, ``HandlerEndedTransaction``, before the next handler runs outside it. Its
+  COMMIT commits nothing (``Transaction.guard_commit``): it fails and rolls back, so what the
+  handlers before it wrote is never committed while their rows are IN_PROGRESS (a rerun, or
+  a crash and a redelivery, would apply it twice); they run again in the next attempt;
+* the COMMIT itself raised: a conflict (a serialization failure found at commit, a deadlock
+  in a deferred trigger) is rerun as one in a handler; anything else (a deferred constraint
+  one message violates) splits the messages into halves, each attempted in transactions of
+  its own, until the message it belongs to is alone and fails; a database gone, or in
+  trouble of its own (the store raises ``DatabaseUnavailable``), is an outage;
 * a batch form declined (returned None): the attempt is rolled back and run again with
   those messages one by one — it may have written before declining;
 * the transaction was found aborted after a handler returned (it caught a database error and
@@ -62,6 +70,8 @@ class HandlerClosedConnection(Exception):
     the next attempt runs on another connection."""
 
 
+ENDED_BY_HANDLER = "the handler ended the transaction (COMMIT/ROLLBACK)"
+
 #: ``Transactions.ended()``: how the attempt's transaction ended, when it did.
 ENDED = "ended"  # COMMIT/ROLLBACK on an open connection
 CLOSED = "closed"  # the connection was closed by a call in this process (a handler)
@@ -83,6 +93,11 @@ class Transaction(Protocol):
     async def fence(self, request_ids: Sequence[str]) -> set[str]:
         """The request_ids still claimed by this worker, locked until the transaction ends
         (a claim collected by GC is not among them)."""
+
+    async def guard_commit(self) -> None:
+        """Before the handlers run: until ``complete()`` has run, a COMMIT fails and rolls
+        the transaction back — a handler's COMMIT commits nothing (not its neighbours'
+        writes while their rows are IN_PROGRESS, not its own)."""
 
     async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
         """Mark ``live`` COMPLETED with their results (JSON text, or None), fenced on the
@@ -142,6 +157,8 @@ async def complete(
         if isinstance(step, _Committed):
             step.into(result)
             return result
+        if isinstance(step, _Split):
+            return await _halves(txns, todo, call, fifo, batch, result)
         if isinstance(step, _Failed):
             result.failed.append((step.message, step.error))
             result.blocked.extend(drop_with_followers(todo, step.message, fifo))
@@ -156,6 +173,32 @@ async def complete(
             declined.add(step.key)  # its writes are rolled back; these go one by one
         else:
             singly = True  # a batch call failed: find the failing message
+
+
+async def _halves(
+    txns: Transactions, todo: list[Message], call: HandlerCall, fifo: bool,
+    batch: Batching | None, result: ApplyResult,
+) -> ApplyResult:
+    """Complete each half of ``todo`` in transactions of its own (their COMMIT together
+    failed, not on a conflict), into ``result``. On FIFO, the later messages of a group
+    that the first half did not complete are blocked behind it, as within one attempt."""
+    mid = len(todo) // 2
+    rest = todo[mid:]
+    for part in (todo[:mid], rest):
+        if not part:
+            break
+        done = await complete(txns, part, call, fifo, batch)
+        result.completed.extend(done.completed)
+        result.failed.extend(done.failed)
+        result.lost.extend(done.lost)
+        result.blocked.extend(done.blocked)
+        result.committed_at = max(result.committed_at, done.committed_at)
+        if fifo and part is not rest:
+            stopped = {m.raw.group_id for m in (*(f for f, _ in done.failed), *done.lost,
+                                                *done.blocked)} - {None}
+            result.blocked.extend(m for m in rest if m.raw.group_id in stopped)
+            rest[:] = [m for m in rest if m.raw.group_id not in stopped]
+    return result
 
 
 @dataclass(slots=True)
@@ -200,7 +243,12 @@ class _Declined:
     key: object
 
 
-_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe | _Declined
+class _Split:
+    """The COMMIT failed, not on a conflict that a rerun may mend: each half of the messages
+    in a transaction of its own, until the one it belongs to is alone."""
+
+
+_Step = _Committed | _Failed | _Rerun | _OneByOne | _Probe | _Declined | _Split
 
 
 class _Abort(Exception):
@@ -228,15 +276,38 @@ class _Attempt:
         self.declined = declined
 
     async def run(self, todo: list[Message]) -> _Step:
+        committing = False
         try:
             async with self.txns.attempt() as txn:
-                return await self._complete(txn, todo)
+                step = await self._complete(txn, todo)
+                committing = True
+            return step
         except _Abort as abort:
             return abort.step
+        except Exception as exc:
+            if not committing:
+                raise
+            return await self._commit_failed(exc, todo)
+
+    async def _commit_failed(self, exc: Exception, todo: list[Message]) -> _Step:
+        """The COMMIT raised (the transaction is rolled back): a deferred constraint, a
+        serialization failure found at commit, a deadlock in a deferred trigger. A conflict
+        is rerun as in a handler; anything else belongs to one of the messages, not to all:
+        the halves run apart until it is alone, and then it is that message's failure."""
+        if isinstance(exc, DatabaseUnavailable):
+            raise exc  # the store's verdict: gone, or the database's own trouble
+        await self._raise_if_outage(exc, "the commit")
+        if self.may_rerun and self.txns.is_conflict(exc):
+            return _Rerun()
+        if len(todo) > 1:
+            return _Split()
+        return _Failed(todo[0], exc)
 
     async def _complete(self, txn: Transaction, todo: list[Message]) -> _Committed:
         held = await txn.fence([m.request_id for m in todo])
         live, lost, blocked = split_fenced(todo, held, self.fifo)
+        if live:
+            await txn.guard_commit()
         results = await self._handlers(txn, live)
         outputs = [results[id(m)] for m in live]
         if live:
@@ -269,6 +340,11 @@ class _Attempt:
                 await self._still_open(txn)
             except Exception as exc:
                 await self._raise_if_outage(exc, "a handler")
+                if not isinstance(exc, HandlerEndedTransaction) and self.txns.ended() == ENDED:
+                    # Its COMMIT failed (guard_commit), or it rolled back, and then it raised
+                    # (that error, most often): it ended the transaction all the same.
+                    raise _Abort(_Failed(m, HandlerEndedTransaction(
+                        f"{ENDED_BY_HANDLER}; then it raised {type(exc).__name__}"))) from exc
                 if self.may_rerun and self.txns.is_conflict(exc):
                     raise _Abort(_Rerun()) from exc
                 if not self.probe and self.txns.is_aborted(exc):
@@ -324,7 +400,7 @@ class _Attempt:
             raise DatabaseUnavailable("the connection closed while the handler ran, and not "
                                       "by a call in this process (the server or the network)")
         if how is not None:
-            raise HandlerEndedTransaction("the handler ended the transaction (COMMIT/ROLLBACK)")
+            raise HandlerEndedTransaction(ENDED_BY_HANDLER)
         if self.probe:
             try:
                 await txn.probe()

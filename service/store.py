@@ -418,12 +418,9 @@ class _PgTransactions:
         except asyncpg.InterfaceError:
             return True
 
-    def _closed_here(self) -> bool:
-        return bool(self.raw.closed_by_call)
-
     async def is_outage(self, exc: BaseException) -> bool:
         if self._gone():
-            return not self._closed_here()
+            return not self.raw.closed_by_call
         if not isinstance(
             exc, asyncpg.PostgresConnectionError | asyncpg.ConnectionDoesNotExistError
         ):
@@ -433,7 +430,7 @@ class _PgTransactions:
         try:
             await self.probe()
         except Exception:
-            return self._gone() and not self._closed_here()
+            return self._gone() and not self.raw.closed_by_call
         return False
 
     def is_conflict(self, exc: BaseException) -> bool:
@@ -453,7 +450,7 @@ class _PgTransactions:
             pass  # detached: closed
         if not self._gone():
             return completion.ENDED
-        return completion.CLOSED if self._closed_here() else completion.LOST
+        return completion.CLOSED if self.raw.closed_by_call else completion.LOST
 
     async def probe(self) -> None:
         await self.conn.execute("SELECT 1")
@@ -461,6 +458,12 @@ class _PgTransactions:
     async def fence(self, request_ids: Sequence[str]) -> set[str]:
         rows = await self.conn.fetch(Q["fence"], list(request_ids), self.owner)
         return {r["request_id"] for r in rows}
+
+    async def guard_commit(self) -> None:
+        # A cursor WITH HOLD runs its query when the transaction commits, and an error there
+        # fails the COMMIT (the transaction rolls back); the completing statement sets
+        # sqs_ingest.completing, which lets it pass. Simple protocol: nothing to prepare.
+        await self.conn.execute(Q["guard_commit"])
 
     async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
         ids = [m.request_id for m in live]
@@ -496,6 +499,16 @@ class _PgTransactions:
             await self.pool.release(conn)
 
 
+#: Errors at COMMIT of the database's own making: no rerun or split would mend them.
+_DATABASE_AT_COMMIT: tuple[type[BaseException], ...] = (
+    asyncpg.InsufficientResourcesError,  # 53: disk full, out of memory, too many connections
+    asyncpg.OperatorInterventionError,  # 57: a cancel (57014), an admin shutdown
+    asyncpg.ReadOnlySQLTransactionError,  # 25006: the server went read-only (a failover)
+    asyncpg.PostgresSystemError,  # 58: an I/O error
+    asyncpg.InternalServerError,  # XX: data corrupted, an internal error
+)
+
+
 class _PgAttempt:
     """``async with``: one asyncpg transaction, yielding the seam itself (a small class, not
     ``@asynccontextmanager``: it runs once per attempt on the hot path)."""
@@ -524,6 +537,13 @@ class _PgAttempt:
                 raise
             if not self._txns._gone():
                 self._txns.conn.terminate()
+        except _DATABASE_AT_COMMIT as commit_exc:
+            # The database's own trouble at COMMIT (an operator's cancel, a full disk, a
+            # shutdown; statement_timeout is not armed during COMMIT): an outage, never a
+            # message's failure (SPEC §7).
+            if exc is not None:
+                raise
+            raise unavailable(commit_exc) from commit_exc
 
 
 def _release_args(messages: Sequence[Message], owner: str) -> list[Any]:

@@ -537,6 +537,9 @@ class _FakeTransactions:
         rows = self.store.db.rows
         return {r for r in request_ids if _held_by(self.store.worker_id, rows.get(r))}
 
+    async def guard_commit(self) -> None:
+        return None  # handlers get no connection: none can commit
+
     async def complete(self, live: Sequence[Message], outputs: Sequence[str | None]) -> int:
         self.done = list(zip(live, outputs, strict=True))
         return len(self.done)

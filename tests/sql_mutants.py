@@ -88,7 +88,18 @@ MUTANTS: list[SqlMutant] = [
       ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
     M("fence_no_for_update", "fence", "   FOR UPDATE", "",
       ('tests/integration/test_store.py::test_gc_skips_a_claim_being_completed',)),
+    # -- guard_commit ---------------------------------------------------------------------
+    M("guard_commit_no_close", "guard_commit", "CLOSE ALL;\n", "",
+      ('tests/integration/test_commit_phase.py::test_a_deferred_constraint_one_message_violates_fails_it_alone',)),
+    M("guard_commit_always_passes", "guard_commit",
+      "CASE current_setting('sqs_ingest.completing', true) WHEN", "CASE 'on' WHEN",
+      ('tests/integration/test_handler_boundary.py::test_a_handler_that_commits_costs_its_neighbours_nothing',)),
     # -- complete -------------------------------------------------------------------------
+    M("complete_guard_kept", "complete", ", set_config('sqs_ingest.completing', 'on', true)", "",
+      ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
+    M("complete_with_result_guard_kept", "complete_with_result",
+      ", set_config('sqs_ingest.completing', 'on', true)", "",
+      ('tests/contract/test_store_contract.py::test_outbox_rows_come_with_the_outcome_only_when_results_are_on[postgres]',)),
     M("complete_no_owner", "complete", " AND m.owner = $3", "",
       ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
     M("complete_now", "complete", "completed_at = statement_timestamp()", "completed_at = now()",

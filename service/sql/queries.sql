@@ -112,20 +112,35 @@ SELECT request_id FROM modifications
  ORDER BY request_id
    FOR UPDATE
 
+-- name: guard_commit
+-- Run before the handlers: a cursor WITH HOLD runs its query at COMMIT, and an error there
+-- fails the COMMIT and rolls the transaction back. It passes once the completing statement
+-- (below) has set sqs_ingest.completing; a handler's COMMIT before that commits nothing.
+-- concat(), not ||: the setting is NULL until then. Nothing constant in the error branch
+-- (the planner would fold it, and fail, at DECLARE). CLOSE ALL first: a guard that passed,
+-- or that was run by a COMMIT that then failed on something else, outlives its transaction
+-- (a held cursor) until the connection's reset after the batch.
+CLOSE ALL;
+DECLARE sqs_ingest_commit_guard CURSOR WITH HOLD FOR
+SELECT CASE current_setting('sqs_ingest.completing', true) WHEN 'on' THEN 1
+       ELSE concat('sqs-ingest: a handler may not end the transaction that completes its batch',
+                   current_setting('sqs_ingest.completing', true))::int END
+
 -- name: complete
 -- completed_at: when this statement runs, after the handlers (now() would be the start of
 -- the transaction): retention counts from it, and a copy of the message sent while the
--- handler worked must not outlive the request's row.
+-- handler worked must not outlive the request's row. set_config: the COMMIT may now pass
+-- (guard_commit), for this transaction only.
 UPDATE modifications AS m
    SET status = 'COMPLETED', completed_at = statement_timestamp(), result = u.result::jsonb
   FROM unnest($1::text[], $2::text[]) AS u(request_id, result)
  WHERE m.request_id = u.request_id AND m.owner = $3 AND m.status = 'IN_PROGRESS'
-RETURNING m.request_id
+RETURNING m.request_id, set_config('sqs_ingest.completing', 'on', true)
 
 -- name: complete_with_result
 -- `complete` plus its result row in `outbox`, in the same statement (results on): no
 -- commit without its result, no result without its commit. $4: the source group per
--- request (FIFO destination's MessageGroupId), aligned with $1.
+-- request (FIFO destination's MessageGroupId), aligned with $1. set_config: as in `complete`.
 WITH done AS (
     UPDATE modifications AS m
        SET status = 'COMPLETED', completed_at = statement_timestamp(), result = u.result::jsonb
@@ -140,7 +155,7 @@ WITH done AS (
         ON g.request_id = d.request_id
      ORDER BY g.n  -- ids in batch order: a FIFO group's results leave in that order
 )
-SELECT request_id FROM done
+SELECT request_id, set_config('sqs_ingest.completing', 'on', true) FROM done
 
 -- name: clear_attempts
 DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])

@@ -385,3 +385,65 @@ async def test_a_batch_form_that_declines_after_writing_is_not_applied_twice(
         rig.queue.send(body("b", "ok"))
         await rig.round()
     assert [await effects(fx, r) for r in ("a", "b")] == [1, 1]
+
+
+@pytest.mark.parametrize("at", [0, 1, 2], ids=["offender-first", "offender-middle", "offender-last"])
+async def test_a_handler_that_commits_costs_its_neighbours_nothing(
+    at: int, database_url: str, fx: asyncpg.Connection
+) -> None:
+    """Its COMMIT must not commit what the handlers before it wrote while their rows are
+    still IN_PROGRESS: what a crash right after it would leave is read from another session
+    inside the handler. Each neighbour's effect lands once, with its row COMPLETED and its
+    message acked once; the committer fails alone, with what it wrote undone."""
+    seen_after_commit: list[int] = []
+
+    async def commits(_p: P, conn: Any) -> None:
+        await effect(conn)
+        try:
+            await conn.execute("COMMIT")
+        finally:
+            seen_after_commit.append(int(await fx.fetchval("SELECT count(*) FROM fx")))
+
+    order = ["n1", "n2"]
+    order.insert(at, "commits")
+    async with Rig(database_url, registry(ok=well_behaved, c=commits)) as rig:
+        sent = {rid: rig.queue.send(body(rid, "c" if rid == "commits" else "ok"))
+                for rid in order}
+        await rig.round()
+        acked = list(rig.queue.deleted)
+    assert seen_after_commit == [0]
+    assert [await effects(fx, r) for r in ("n1", "n2")] == [1, 1]
+    assert [await status(fx, r) for r in ("n1", "n2")] == ["COMPLETED", "COMPLETED"]
+    assert sorted(acked) == sorted([sent["n1"], sent["n2"]])
+    assert await effects(fx, "commits") == 0
+    assert await failures(fx, "commits") == 1
+    assert (await last_error(fx, "commits") or "").startswith(
+        "HandlerEndedTransaction: the handler ended the transaction (COMMIT/ROLLBACK)")
+
+
+async def test_a_batch_form_that_commits_costs_its_group_nothing(
+    database_url: str, fx: asyncpg.Connection
+) -> None:
+    """The batch form's COMMIT is refused like a plain handler's: the attempt is rerun one by
+    one, where the message whose handler commits fails alone and the others apply once."""
+    async def one(_p: P, conn: Any) -> dict[str, Any]:
+        await effect(conn)
+        if current_request_id() == "commits":
+            await conn.execute("COMMIT")
+        return {"ok": True}
+
+    async def many(items: list[tuple[str, P]], conn: Any) -> list[dict[str, Any] | None] | None:
+        await conn.executemany("INSERT INTO fx VALUES ($1)", [(rid,) for rid, _ in items])
+        if any(rid == "commits" for rid, _ in items):
+            await conn.execute("COMMIT")
+        return [{"ok": True} for _ in items]
+
+    reg = registry(ok=one)
+    reg.register_batch("ok", many)
+    async with Rig(database_url, reg) as rig:
+        for rid in ("a", "commits", "b"):
+            rig.queue.send(body(rid, "ok"))
+        await rig.round()
+    assert [await effects(fx, r) for r in ("a", "b", "commits")] == [1, 1, 0]
+    assert [await status(fx, r) for r in ("a", "b")] == ["COMPLETED", "COMPLETED"]
+    assert (await last_error(fx, "commits") or "").startswith("HandlerEndedTransaction: ")

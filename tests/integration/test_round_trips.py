@@ -18,8 +18,9 @@ from service.store import Store, create_pool
 from service.testing import FakeQueue
 from tests.pgwire import PgWireCounter
 
-#: claim · BEGIN · fence · the entities' upsert · complete · COMMIT · the session reset
-BUILT_IN_BATCH_ROUND_TRIPS = 7
+#: claim · BEGIN · fence · the commit guard (a handler's own COMMIT commits nothing) · the
+#: entities' upsert · complete · COMMIT · the session reset
+BUILT_IN_BATCH_ROUND_TRIPS = 8
 BUILT_IN_BATCH_TRANSACTIONS = 3  # the claim, the completing transaction, the reset
 
 

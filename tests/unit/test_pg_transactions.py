@@ -1,12 +1,17 @@
 """``store._PgTransactions.finish`` on fakes: after a committed batch the connection is reset;
 a reset that fails on an open connection closes it (the commit stands: nothing raises), and
-the connections taken to replace broken ones go back to the pool."""
+the connections taken to replace broken ones go back to the pool. ``_PgAttempt``: what its
+COMMIT raises of the database's own making is an outage."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from service.store import _PgTransactions
+import asyncpg
+import pytest
+
+from service.errors import DatabaseUnavailable
+from service.store import _PgAttempt, _PgTransactions
 
 
 class Conn:
@@ -62,3 +67,39 @@ async def test_nothing_committed_no_reset() -> None:
     pool, conn = Pool(), Conn()
     await _PgTransactions(pool, conn, "w", results=False).finish(committed=False)
     assert conn.resets == 0
+
+
+class Tx:
+    """asyncpg's transaction object: its COMMIT (``__aexit__`` without an error) raises."""
+
+    def __init__(self, commit_raises: BaseException) -> None:
+        self.commit_raises = commit_raises
+
+    async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            raise self.commit_raises
+
+
+@pytest.mark.parametrize("error", [
+    asyncpg.QueryCanceledError("canceling statement due to user request"),
+    asyncpg.DiskFullError("could not extend file"),
+    asyncpg.ReadOnlySQLTransactionError("cannot execute COMMIT in a read-only transaction"),
+])
+async def test_the_databases_own_trouble_at_commit_is_an_outage(error: Exception) -> None:
+    attempt = _PgAttempt(_PgTransactions(Pool(), Conn(), "w", results=False))
+    attempt._tx = Tx(error)
+    with pytest.raises(DatabaseUnavailable) as raised:
+        await attempt.__aexit__(None, None, None)
+    assert raised.value.__cause__ is error
+    assert str(raised.value) == f"database unavailable: {type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("error", [
+    asyncpg.ForeignKeyViolationError("violates foreign key constraint"),  # one message's
+    asyncpg.SerializationError("could not serialize access"),  # a conflict: rerun
+])
+async def test_other_errors_at_commit_are_left_to_the_attempt_loop(error: Exception) -> None:
+    attempt = _PgAttempt(_PgTransactions(Pool(), Conn(), "w", results=False))
+    attempt._tx = Tx(error)
+    with pytest.raises(type(error)):
+        await attempt.__aexit__(None, None, None)
