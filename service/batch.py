@@ -127,6 +127,10 @@ class BatchProcessor:
         except AckFailed:
             raise  # exit 3 (run): never handled like a failed batch
         except DatabaseUnavailable as exc:
+            # Also DatabaseBusy (a lock or statement timeout, a deadlock, a read-only
+            # database): no message's fault, so no receive of theirs is spent on it either
+            # (a deferral: fresh copies near maxReceiveCount), and receiving pauses until a
+            # probe passes.
             self.health.down(exc)
             await self._give_back(flight, self.policy.hand_back(), deferral=True)
         except asyncio.CancelledError:

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from service import metrics
-from service.errors import DB_ERRORS, DatabaseUnavailable, SchemaBehind
+from service.errors import DB_ERRORS, DatabaseBusy, DatabaseUnavailable, SchemaBehind
 from service.retry import Backoff
 from service.seams import StoreSeam
 
@@ -42,8 +42,9 @@ class DatabaseHealth:
         return self.up.is_set()
 
     def error(self, exc: BaseException) -> None:
-        """A background statement failed: an outage only if the connection is gone."""
-        if isinstance(exc, DatabaseUnavailable | OSError):
+        """A background statement failed: an outage only if the connection is gone (a GC
+        pass that meets a table lock or a timeout pauses no batch)."""
+        if isinstance(exc, DatabaseUnavailable | OSError) and not isinstance(exc, DatabaseBusy):
             self.down(exc)
         else:
             metrics.db_errors.inc()
@@ -72,7 +73,11 @@ class DatabaseHealth:
                 log.info("database_available")
                 self.up.set()
                 await self.on_recovered()
-                return
+                if self.up.is_set():
+                    return
+                # Down again while on_recovered ran: down() saw this probe still running
+                # and started none, so this one probes on (else nothing would ever set up).
+                backoff.reset()
 
     async def _recovered(self, delay: float) -> bool:
         try:

@@ -36,6 +36,14 @@ class DatabaseError(IngestError):
     which is its ``__cause__``."""
 
 
+class DatabaseBusy(DatabaseUnavailable, DatabaseError):
+    """The database refused a statement for a reason of its own making while it is there: a
+    serialization failure or deadlock, a lock or statement timeout, insufficient resources,
+    an operator's intervention, a read-only transaction. No message's fault: the batch is
+    deferred like an outage's — never counted against a message, never dead-lettered, and
+    copied afresh before SQS's ``maxReceiveCount`` could move it (SPEC §7)."""
+
+
 class DataRejected(DatabaseError, PermanentError):
     """The database refused a value (SQLSTATE class 22 data exception, 54 program limit
     exceeded, e.g. an index entry too large): the fault of one message, not of its batch."""

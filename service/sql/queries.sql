@@ -178,21 +178,26 @@ ON CONFLICT (request_id) DO UPDATE
 RETURNING request_id, failures
 
 -- name: dead_letter
+-- Inserted in sqs_message_id order (the conflict key): two replicas dead-lettering the same
+-- messages take their unique-index entries in the same order, never a deadlock.
 INSERT INTO dead_letters
     (sqs_message_id, body, reason, error, request_id, request_type, receive_count, group_id)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[],
                      $8::text[])
+ ORDER BY 1
 ON CONFLICT (sqs_message_id) DO NOTHING
 
 -- name: dead_letter_with_result
 -- `dead_letter` plus a FAILED result for each row actually inserted (a redelivered
 -- poison message is stored once, so it yields one result) that has a request_id, except
 -- idempotency_key_reused: that key belongs to another request, whose result it is not.
+-- Inserted in sqs_message_id order, as `dead_letter`; the results keep the caller's order.
 WITH ins AS (
     INSERT INTO dead_letters
         (sqs_message_id, body, reason, error, request_id, request_type, receive_count, group_id)
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[],
                          $8::text[])
+     ORDER BY 1
     ON CONFLICT (sqs_message_id) DO NOTHING
     RETURNING sqs_message_id, request_id, request_type, reason, received_at
 )
