@@ -144,11 +144,14 @@ class Extent:
             plus the skew margin); ``(None, None)`` when there are none.
         entity_modifications: min/max ``id`` over ``modifications`` and the checkpoints'
             ``modification_id`` (primary-key indexes; checkpoints keep their older ids).
+        history: min/max ``id`` of the whole ``modifications`` table (the bounds of
+            :func:`read_compared`).
     """
 
     window_count: int
     modifications: tuple[int | None, int | None]
     entity_modifications: tuple[int | None, int | None]
+    history: tuple[int | None, int | None] = (None, None)
 
 
 def _in_range(start: datetime, end: datetime) -> str:
@@ -164,7 +167,8 @@ def read_extent(
     scan = _in_range(min(start, window.start), max(end, window.end))
     read = _in_range(start, end)
     sql = (
-        "SELECT w.n, w.lo, w.hi, least(m.lo, c.lo) AS e_lo, greatest(m.hi, c.hi) AS e_hi FROM"
+        "SELECT w.n, w.lo, w.hi, least(m.lo, c.lo) AS e_lo, greatest(m.hi, c.hi) AS e_hi,"
+        " m.lo AS m_lo, m.hi AS m_hi FROM"
         f" (SELECT count(*) FILTER (WHERE {_in_range(window.start, window.end)}) AS n,"
         f"  min(id) FILTER (WHERE {read}) AS lo, max(id) FILTER (WHERE {read}) AS hi"
         f"  FROM modifications WHERE {scan}) w,"
@@ -177,6 +181,7 @@ def read_extent(
         window_count=int(row[0]),
         modifications=(row[1], row[2]),
         entity_modifications=(row[3], row[4]),
+        history=(row[5], row[6]),
     )
 
 
@@ -197,6 +202,34 @@ def read_modifications(
         if not buckets:
             bounds = (None, None)
         where += f" AND {_BUCKET} = ANY ('{{{','.join(map(str, sorted(buckets)))}}}'::int[])"
+    sub = (
+        "SELECT id, request_id, request_type, status, payload_sha256, owner, received_at,"
+        f" completed_at FROM modifications WHERE {where}"
+    )
+    return _partitioned(spark, db, sub, bounds, partitions, MODIFICATIONS_SCHEMA)
+
+
+def read_compared(
+    spark: SparkSession,
+    db: Database,
+    partitions: int,
+    bounds: tuple[int | None, int | None],
+    buckets: Collection[int] | None = None,
+) -> DataFrame:
+    """The rows the cross-database comparison joins: ``modifications`` of the given
+    buckets of :func:`read_digests` (``None``: every row), whenever received; ``bounds``:
+    :attr:`Extent.history`.
+
+    No time bound: the side that lacks a request of the window is looked up by
+    ``request_id`` over everything it holds, so a peer that received it hours after the
+    window (a regional outage, a backlog) is not reported missing. The buckets keep this
+    small: only those whose digests over the read range differ are read row by row.
+    """
+    where = "TRUE"
+    if buckets is not None:
+        if not buckets:
+            bounds = (None, None)
+        where = f"{_BUCKET} = ANY ('{{{','.join(map(str, sorted(buckets)))}}}'::int[])"
     sub = (
         "SELECT id, request_id, request_type, status, payload_sha256, owner, received_at,"
         f" completed_at FROM modifications WHERE {where}"

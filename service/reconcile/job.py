@@ -167,10 +167,10 @@ def build_discrepancies(
         only = buckets[peer.label]
         # A few buckets: one scan each side returns their rows.
         parts = opts.partitions if only is None else 1
+        # Without a time bound: a request of the window the other side received late
+        # (or early) is looked up by request_id over all it holds.
         sides = [
-            io.read_modifications(
-                spark, db, lo, hi, parts, extents[db.label].modifications, only
-            )
+            io.read_compared(spark, db, parts, extents[db.label].history, only)
             for db in (opts.primary, peer)
         ]
         frames.append(

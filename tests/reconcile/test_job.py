@@ -385,3 +385,27 @@ async def test_max_discrepancies_stores_the_first_in_order_and_counts_them_all(
         assert len(disc) == stored_rows, limit
         if limit == 4:
             assert sorted((k, r, e, s) for _, k, r, e, s, _ in disc) == sorted(first_four)
+
+
+async def test_a_peer_lagging_past_the_skew_margin_is_not_missing(
+    spark, database_url: str, peer_url: str, capfd
+) -> None:
+    """A peer-region outage: requests of the primary's window reached the peer two hours
+    after the window's end (past --skew-minutes); the peer holds them when the job runs."""
+    await seed(database_url)
+    await seed(peer_url)
+    late = datetime(2024, 5, 2, 2, 0, tzinfo=UTC)  # window end + 2 h
+    q = await asyncpg.connect(peer_url)
+    try:
+        await q.execute(
+            "UPDATE modifications SET received_at = $1::timestamptz,"
+            " completed_at = $1::timestamptz + interval '1 second'"
+            " WHERE request_id IN ('inv-1', 'inv-2')",
+            late,
+        )
+    finally:
+        await q.close()
+
+    assert await reconcile(database_url, peer_url) == 0
+    out, _ = capfd.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["counts"] == dict.fromkeys(EXPECTED_COUNTS, 0)
