@@ -277,11 +277,13 @@ def read_entity_modifications(
         "SELECT id, request_id, request_type, payload->>'entity_id' AS entity_id,"
         " CASE WHEN jsonb_typeof(payload->'version') = 'number'"
         "      THEN (payload->>'version')::numeric::bigint END AS version,"
-        " md5((payload->'data')::text) AS data_md5, completed_at"
+        " md5((payload->'data')::text) AS data_md5, completed_at,"
+        " CASE WHEN jsonb_typeof(result->'applied') = 'boolean'"
+        "      THEN (result->>'applied')::boolean END AS applied"
         f" FROM modifications WHERE status = 'COMPLETED' AND request_type IN {types}"
         " UNION ALL"
         " SELECT modification_id, request_id, request_type, entity_id, version, data_md5,"
-        " completed_at FROM entity_checkpoints"
+        " completed_at, applied FROM entity_checkpoints"
     )
     return _partitioned(spark, db, sub, bounds, partitions, ENTITY_MODIFICATIONS_SCHEMA)
 

@@ -28,7 +28,7 @@ MODIFICATIONS_SCHEMA = (
 )
 ENTITY_MODIFICATIONS_SCHEMA = (
     "id bigint, request_id string, request_type string, entity_id string, version bigint, "
-    "data_md5 string, completed_at timestamp"
+    "data_md5 string, completed_at timestamp, applied boolean"
 )
 ENTITIES_SCHEMA = (
     "entity_id string, version bigint, deleted boolean, data_md5 string, request_id string, "
@@ -276,7 +276,10 @@ def _side(prefix: str) -> Column:
 def replay_entities(entity_mods: DataFrame) -> DataFrame:
     """The state the reference handlers must have left: per entity, the ``COMPLETED``
     ``entity.upsert``/``entity.delete`` with the highest version; on a version tie the one
-    completed first (a later equal version is not "strictly newer", so it never landed).
+    the handler applied (``applied``: ``result->>'applied'``, true before unknown before
+    false), then the one completed first (a later equal version is not "strictly newer",
+    so it never landed). ``applied`` decides the ties inside one batch: both rows share
+    ``completed_at`` and the first in batch order, not the lower id, landed.
 
     Returns ``entity_id, version, deleted, data_md5, request_id``.
     """
@@ -292,6 +295,7 @@ def _replay(entity_mods: DataFrame) -> DataFrame:
     entity = W.partitionBy("entity_id")
     order = entity.orderBy(
         F.col("version").desc_nulls_last(),
+        F.when(F.col("applied"), 0).when(~F.col("applied"), 2).otherwise(1).asc(),
         F.col("completed_at").asc_nulls_last(),
         F.col("id").asc(),
     )
