@@ -146,12 +146,15 @@ class Extent:
             ``modification_id`` (primary-key indexes; checkpoints keep their older ids).
         history: min/max ``id`` of the whole ``modifications`` table (the bounds of
             :func:`read_compared`).
+        unchecked: ``modifications`` received in the window before the pruning horizon
+            (their missing checks are skipped).
     """
 
     window_count: int
     modifications: tuple[int | None, int | None]
     entity_modifications: tuple[int | None, int | None]
     history: tuple[int | None, int | None] = (None, None)
+    unchecked: int = 0
 
 
 def _in_range(start: datetime, end: datetime) -> str:
@@ -159,17 +162,25 @@ def _in_range(start: datetime, end: datetime) -> str:
 
 
 def read_extent(
-    spark: SparkSession, db: Database, window: Window, start: datetime, end: datetime
+    spark: SparkSession,
+    db: Database,
+    window: Window,
+    start: datetime,
+    end: datetime,
+    horizon: datetime | None = None,
 ) -> Extent:
     """The window's count and both partitioned reads' bounds in one query (one JDBC schema
     lookup and one Spark job instead of three of each). ``[start, end)`` is the range
     :func:`read_modifications` reads; the scan covers it and the window alike."""
     scan = _in_range(min(start, window.start), max(end, window.end))
     read = _in_range(start, end)
+    in_window = _in_range(window.start, window.end)
+    old = f"{in_window} AND received_at < {_ts(horizon)}" if horizon else "FALSE"
     sql = (
         "SELECT w.n, w.lo, w.hi, least(m.lo, c.lo) AS e_lo, greatest(m.hi, c.hi) AS e_hi,"
-        " m.lo AS m_lo, m.hi AS m_hi FROM"
-        f" (SELECT count(*) FILTER (WHERE {_in_range(window.start, window.end)}) AS n,"
+        " m.lo AS m_lo, m.hi AS m_hi, w.old FROM"
+        f" (SELECT count(*) FILTER (WHERE {in_window}) AS n,"
+        f"  count(*) FILTER (WHERE {old}) AS old,"
         f"  min(id) FILTER (WHERE {read}) AS lo, max(id) FILTER (WHERE {read}) AS hi"
         f"  FROM modifications WHERE {scan}) w,"
         " (SELECT min(id) AS lo, max(id) AS hi FROM modifications) m,"
@@ -182,6 +193,7 @@ def read_extent(
         modifications=(row[1], row[2]),
         entity_modifications=(row[3], row[4]),
         history=(row[5], row[6]),
+        unchecked=int(row[7]),
     )
 
 

@@ -39,6 +39,8 @@ class JobOptions:
             which anything younger counts as in flight.
         skew_margin: extra range read on both sides for the cross-database lookups.
         partitions: JDBC read partitions per table.
+        retention: how long the databases keep completed modifications (the smallest
+            INGEST_RETENTION_DAYS among them); ``None``: they are never pruned.
         max_discrepancies: rows collected and stored; counts always cover all of them.
         output: optional directory receiving every discrepancy as JSON lines.
     """
@@ -49,6 +51,7 @@ class JobOptions:
     lookback: timedelta = timedelta(hours=24)
     stuck_after: timedelta = timedelta(minutes=60)
     skew_margin: timedelta = timedelta(hours=1)
+    retention: timedelta | None = timedelta(days=30)
     partitions: int = 8
     max_discrepancies: int = 100_000
     output: str | None = None
@@ -61,6 +64,15 @@ class JobOptions:
     def databases(self) -> tuple[io.Database, ...]:
         return (self.primary, *self.peers)
 
+    def horizon(self, as_of: datetime) -> datetime | None:
+        """Requests received before this may be pruned on one side already (each database
+        prunes on its own phase, and may while we read): the retention before ``as_of``,
+        plus the skew margin for the clocks and the run's own duration. ``None``: no
+        retention, nothing pruned."""
+        if self.retention is None:
+            return None
+        return as_of - self.retention + self.skew_margin
+
 
 @dataclass
 class JobResult:
@@ -72,6 +84,7 @@ class JobResult:
     duration_seconds: float
     truncated: bool = False
     databases: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, Any] | None = None
 
     @property
     def total(self) -> int:
@@ -90,6 +103,7 @@ class JobResult:
             "truncated": self.truncated,
             "modifications": self.modifications,
             "databases": self.databases,
+            "skipped": self.skipped,
             "as_of": self.as_of.isoformat(),
             "duration_seconds": round(self.duration_seconds, 3),
         }
@@ -100,10 +114,33 @@ def window_for(run_date: date, lookback: timedelta) -> Window:
     return Window(start=start - lookback, end=start + timedelta(days=1))
 
 
-def read_extents(spark: SparkSession, opts: JobOptions) -> dict[str, io.Extent]:
+def read_extents(
+    spark: SparkSession, opts: JobOptions, as_of: datetime
+) -> dict[str, io.Extent]:
     """Per database, the window's count and the reads' bounds (one query each)."""
     lo, hi = io.window_range(opts.window, opts.skew_margin)
-    return {db.label: io.read_extent(spark, db, opts.window, lo, hi) for db in opts.databases}
+    horizon = opts.horizon(as_of)
+    return {
+        db.label: io.read_extent(spark, db, opts.window, lo, hi, horizon)
+        for db in opts.databases
+    }
+
+
+def skipped_checks(
+    opts: JobOptions, as_of: datetime, extents: dict[str, io.Extent]
+) -> dict[str, Any] | None:
+    """What the run's record says about the part of the window it could not check: the
+    missing checks before the pruning horizon (None when the window is younger)."""
+    horizon = opts.horizon(as_of)
+    if horizon is None or not opts.peers or horizon <= opts.window.start:
+        return None
+    return {
+        "checks": ["missing_in_peer", "missing_in_primary"],
+        "received_before": horizon.isoformat(),
+        "retention_days": opts.retention.total_seconds() / 86400 if opts.retention else None,
+        "reason": "older than the retention: either database may have pruned it already",
+        "requests": {label: e.unchecked for label, e in extents.items()},
+    }
 
 
 def compared_buckets(
@@ -175,7 +212,11 @@ def build_discrepancies(
         ]
         frames.append(
             transforms.compare_databases(
-                *sides, window=window, inflight_cutoff=cutoff, peer_label=peer.label
+                *sides,
+                window=window,
+                inflight_cutoff=cutoff,
+                peer_label=peer.label,
+                checked_from=opts.horizon(as_of),
             )
         )
     return transforms.union_discrepancies(frames)
@@ -185,7 +226,7 @@ def run(spark: SparkSession, opts: JobOptions, as_of: datetime) -> JobResult:
     """Run every check; ``as_of`` is the primary database's clock at the start."""
     t0 = time.monotonic()
     window = opts.window
-    extents = read_extents(spark, opts)
+    extents = read_extents(spark, opts, as_of)
     modifications = {label: e.window_count for label, e in extents.items()}
     buckets = compared_buckets(spark, opts)
     disc = build_discrepancies(spark, opts, as_of, extents, buckets).persist()
@@ -223,4 +264,5 @@ def run(spark: SparkSession, opts: JobOptions, as_of: datetime) -> JobResult:
         duration_seconds=time.monotonic() - t0,
         truncated=total > len(rows),
         databases={db.label: db.redacted for db in opts.databases},
+        skipped=skipped_checks(opts, as_of, extents),
     )

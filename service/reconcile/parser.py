@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -20,6 +21,8 @@ from service.settings import (
 )
 
 EXIT_CONFIG = 2
+#: INGEST_RETENTION_DAYS' default (service.settings.Settings.retention_days).
+DEFAULT_RETENTION_DAYS = 30.0
 
 
 class UsageError(Exception):
@@ -78,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="margin read around the window when looking a request up in the other database",
     )
+    p.add_argument(
+        "--retention-days",
+        type=_positive(float),
+        default=None,
+        help="the smallest INGEST_RETENTION_DAYS of the databases (default: "
+        "$INGEST_RETENTION_DAYS, else 30; 0 = never pruned): requests of the window older "
+        "than it are not checked for missing_in_peer/missing_in_primary",
+    )
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
     p.add_argument("--jars", default=None, help=f"extra jars, comma-separated ({DEFAULT_JDBC_JAR})")
     p.add_argument("--partitions", type=_positive(int), default=8, help="JDBC read partitions")
@@ -113,11 +124,30 @@ class Args:
             lookback=timedelta(hours=self.ns.lookback_hours),
             stuck_after=timedelta(minutes=self.ns.stuck_after),
             skew_margin=timedelta(minutes=self.ns.skew_minutes),
+            retention=self.retention(),
             partitions=max(1, self.ns.partitions),
             max_discrepancies=self.ns.max_discrepancies,
             output=self.ns.output,
         )
 
+
+    def retention(self) -> timedelta | None:
+        """How long the databases keep completed modifications: ``--retention-days``, else
+        INGEST_RETENTION_DAYS (the daemon's setting), else its default; None: never pruned."""
+        days = self.ns.retention_days
+        if days is None:
+            text = os.environ.get("INGEST_RETENTION_DAYS", "").strip()
+            try:
+                days = float(text) if text else DEFAULT_RETENTION_DAYS
+            except ValueError:
+                raise UsageError(
+                    f"configuration error: INGEST_RETENTION_DAYS: not a number: {text!r}"
+                ) from None
+            if not days > 0:
+                raise UsageError(
+                    f"configuration error: INGEST_RETENTION_DAYS: must be > 0: {text!r}"
+                )
+        return timedelta(days=days) if days else None
 
     def databases(self) -> tuple[str, list[str]]:
         """(primary, peers) as canonical URLs, every password remembered for scrubbing.

@@ -43,6 +43,7 @@ def summary(run_id: int | None, opts: JobOptions, result: JobResult) -> dict[str
         "truncated": result.truncated,
         "modifications": result.modifications,
         "databases": result.databases,
+        "skipped": result.skipped,
         "duration_seconds": round(result.duration_seconds, 3),
     }
 

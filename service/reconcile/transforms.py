@@ -104,8 +104,13 @@ def compare_databases(
     window: Window,
     inflight_cutoff: datetime,
     peer_label: str,
+    checked_from: datetime | None = None,
 ) -> DataFrame:
     """``missing_in_peer``, ``missing_in_primary``, ``status_mismatch``, ``payload_mismatch``.
+
+    ``checked_from``: the pruning horizon. A request received before it may already be
+    pruned on one side only (each database prunes on its own phase), so it is never
+    reported missing; requests both sides hold are still compared.
 
     Both inputs may cover a wider range than ``window`` (the loader reads a margin either
     side): a request the primary received at 23:59:59 and the peer at 00:00:01 is present
@@ -123,7 +128,7 @@ def compare_databases(
     ).where(
         _in_window(F.col("p_received_at"), window) | _in_window(F.col("q_received_at"), window)
     )
-    sides = _Sides(window, inflight_cutoff, peer_label)
+    sides = _Sides(window, inflight_cutoff, peer_label, checked_from)
     # One pass over one join: every check is a conditional row of the same select. A
     # union of one filtered frame per check would make the optimizer push each check's
     # own filters below the join, so that no exchange is shared and both sides are
@@ -203,6 +208,7 @@ class _Sides:
     window: Window
     inflight_cutoff: datetime
     peer_label: str
+    checked_from: datetime | None = None
 
     def settled(self, prefix: str) -> Column:
         from pyspark.sql import functions as F
@@ -215,11 +221,16 @@ class _Sides:
 
         label = {"p": "primary", "q": self.peer_label}
         kind = "missing_in_peer" if lack == "q" else "missing_in_primary"
-        return _Check(
+        when = (
             F.col(f"{have}_id").isNotNull()
             & ~F.col(f"{lack}_id").isNotNull()
             & _in_window(F.col(f"{have}_received_at"), self.window)
-            & self.settled(have),
+            & self.settled(have)
+        )
+        if self.checked_from is not None:  # older: maybe pruned on the other side only
+            when &= F.col(f"{have}_received_at") >= F.lit(self.checked_from)
+        return _Check(
+            when,
             kind,
             F.col(f"{have}_request_id"),
             None,

@@ -186,6 +186,9 @@ async def reconcile(primary: str, peer: str, *extra: str) -> int:
         with_password(peer),
         "--partitions",
         "3",
+        # 2024's dates lie past any retention: these databases are never pruned.
+        "--retention-days",
+        "0",
         *extra,
     ]
     return await asyncio.to_thread(main, argv)
@@ -409,3 +412,42 @@ async def test_a_peer_lagging_past_the_skew_margin_is_not_missing(
     assert await reconcile(database_url, peer_url) == 0
     out, _ = capfd.readouterr()
     assert json.loads(out.strip().splitlines()[-1])["counts"] == dict.fromkeys(EXPECTED_COUNTS, 0)
+
+
+async def test_a_one_sided_prune_at_the_window_s_edge_is_not_missing(
+    spark, database_url: str, peer_url: str, capfd
+) -> None:
+    """A retention of 2 days and yesterday's window: its start (48 h ago at the latest,
+    minus the lookback) lies past the retention, where each database prunes on its own
+    phase. A request of that edge that the peer already pruned is not missing; one of the
+    checked part that the peer lacks still is; the run's record says what was skipped."""
+    now = datetime.now(UTC)
+    day = (now - timedelta(days=1)).date()
+    window_start = datetime.combine(day, datetime.min.time(), tzinfo=UTC) - timedelta(days=1)
+    edge, checked = window_start + timedelta(minutes=10), now - timedelta(hours=25)
+    for dsn in (database_url, peer_url):
+        conn = await asyncpg.connect(dsn)
+        try:
+            await insert_modification(conn, "edge-pruned", "invoice.created", {"i": 1}, edge)
+            await insert_modification(conn, "gone", "invoice.created", {"i": 2}, checked)
+            if dsn == peer_url:  # the peer pruned the edge; it lost "gone" for real
+                await conn.execute(
+                    "DELETE FROM modifications WHERE request_id IN ('edge-pruned', 'gone')")
+        finally:
+            await conn.close()
+
+    argv = ["--date", day.isoformat(), "--database-url", database_url, "--peer-url", peer_url,
+            "--partitions", "2", "--retention-days", "2"]
+    assert await asyncio.to_thread(main, argv) == 1
+    out, _ = capfd.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["counts"] == {**dict.fromkeys(EXPECTED_COUNTS, 0), "missing_in_peer": 1}
+    runs, disc = await stored(database_url)
+    assert [(k, r) for _, k, r, *_ in disc] == [("missing_in_peer", "gone")]
+    skipped = json.loads(runs[0]["counts"])["skipped"]
+    assert skipped["checks"] == ["missing_in_peer", "missing_in_primary"]
+    assert skipped["retention_days"] == 2
+    horizon = datetime.fromisoformat(skipped["received_before"])
+    assert edge < horizon < checked
+    assert skipped["requests"] == {"primary": 1, "peer1": 0}
+    assert summary["skipped"] == skipped
