@@ -121,11 +121,9 @@ def compare_databases(
 
     p = primary.select([F.col(c).alias(f"p_{c}") for c in primary.columns])
     q = peer.select([F.col(c).alias(f"q_{c}") for c in peer.columns])
-    # A shuffled hash join: each partition of the primary's window is a hash table the
-    # peer's rows probe, instead of sorting both whole windows for a sort-merge join.
-    joined = p.hint("shuffle_hash").join(
-        q, F.col("p_request_id") == F.col("q_request_id"), "full_outer"
-    ).where(
+    # Spark picks the join (a sort-merge join spills; a forced hash join's tables
+    # cannot, which a mass incident's volume would need).
+    joined = p.join(q, F.col("p_request_id") == F.col("q_request_id"), "full_outer").where(
         _in_window(F.col("p_received_at"), window) | _in_window(F.col("q_received_at"), window)
     )
     sides = _Sides(window, inflight_cutoff, peer_label, checked_from)
