@@ -201,9 +201,7 @@ def build_discrepancies(
         frames.append(
             transforms.entity_drift(
                 io.read_entities(spark, db, opts.partitions),
-                io.read_entity_modifications(
-                    spark, db, opts.partitions, extent.entity_modifications
-                ),
+                io.read_entity_modifications(spark, db, opts.partitions, extent),
                 inflight_cutoff=cutoff,
                 source=db.label,
             )

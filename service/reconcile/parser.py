@@ -108,6 +108,11 @@ class Args:
     ns: argparse.Namespace
 
     def options(self, run_date: date) -> JobOptions:
+        if not self.ns.stuck_after > 0:
+            raise UsageError(
+                "configuration error: --stuck-after must be > 0 minutes (0 would report"
+                " every claim still being applied as stuck)"
+            )
         primary_dsn, peer_dsns = self.databases()
         dbs = [Database("primary", primary_dsn)] + [
             Database(f"peer{i}", url) for i, url in enumerate(peer_dsns, start=1)
@@ -165,6 +170,16 @@ class Args:
             secrets.remember(dsn.password)
             return dsn.url()
 
+        if "PYSPARK_GATEWAY_PORT" in os.environ:  # under spark-submit
+            for flag, given in (("--database-url", self.ns.database_url),
+                                ("--peer-url", self.ns.peer_url)):
+                if given:
+                    raise UsageError(
+                        f"configuration error: {flag}: the Spark UI and event log show"
+                        " spark-submit's arguments; pass database URLs in"
+                        " INGEST_DATABASE_URL(_FILE), --peer-url-file or"
+                        " INGEST_RECONCILE_PEER_URLS(_FILE)"
+                    )
         try:
             primary = (canonical("--database-url", self.ns.database_url)
                        if self.ns.database_url else database_url_from_env())
