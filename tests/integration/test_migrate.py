@@ -25,7 +25,7 @@ from tests.servers import Postgres
 #: What migrations/ holds, written out: a file that goes missing, is renamed or is not
 #: picked up by the loader must change this list (not be taken from the loader itself).
 EXPECTED = [(1, "core"), (2, "outbox"), (3, "attributes"), (4, "retention"),
-            (5, "fifo_order"), (6, "payload_refusals")]
+            (5, "fifo_order"), (6, "payload_refusals"), (7, "checkpoint_applied")]
 
 
 async def empty_db(pg: Postgres) -> str:
