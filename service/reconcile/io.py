@@ -284,7 +284,8 @@ def read_partitions(rows: int, at_least: int = 1) -> int:
     return max(at_least, -(-rows // ROWS_PER_READ_PARTITION))
 
 
-def _span(bounds: tuple[int | None, int | None]) -> int:
+def span(bounds: tuple[int | None, int | None]) -> int:
+    """Rows an ``id`` range may hold (0 when there is none)."""
     lo, hi = bounds
     return 0 if lo is None or hi is None else int(hi) - int(lo) + 1
 
@@ -323,7 +324,7 @@ def read_entity_modifications(spark: SparkSession, db: Database, partitions: int
     )
     return _partitioned(
         spark, db, mods, extent.history,
-        read_partitions(_span(extent.history), partitions), ENTITY_MODIFICATIONS_SCHEMA,
+        read_partitions(span(extent.history), partitions), ENTITY_MODIFICATIONS_SCHEMA,
     ).unionByName(_partitioned(
         spark, db, checkpoints, extent.checkpoints,
         read_partitions(extent.checkpoint_count), ENTITY_MODIFICATIONS_SCHEMA,

@@ -209,7 +209,12 @@ def build_discrepancies(
     for peer in opts.peers:
         only = buckets[peer.label]
         # A few buckets: one scan each side returns their rows.
-        parts = opts.partitions if only is None else 1
+        history = extents[opts.primary.label].history, extents[peer.label].history
+        parts = (
+            io.read_partitions(max(io.span(h) for h in history), opts.partitions)
+            if only is None
+            else 1
+        )
         # Without a time bound: a request of the window the other side received late
         # (or early) is looked up by request_id over all it holds.
         sides = [
