@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
                     spark, db, lo, hi, opts.partitions, e.modifications
                 ),
                 "entity_modifications": lambda db=db, e=extent: io.read_entity_modifications(
-                    spark, db, opts.partitions, e.entity_modifications
+                    spark, db, opts.partitions, e
                 ),
                 "entities": lambda db=db: io.read_entities(spark, db, opts.partitions),
             }

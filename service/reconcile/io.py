@@ -36,6 +36,8 @@ FETCH_SIZE = 10_000
 #: two) and reads row by row only the buckets whose digests differ (:func:`read_digests`).
 DIGEST_BUCKETS = 4_096
 _BUCKET = f"(hashtext(request_id) & {DIGEST_BUCKETS - 1})"
+#: Rows per JDBC read partition of the entity history (:func:`read_partitions`).
+ROWS_PER_READ_PARTITION = 250_000
 
 
 class DsnError(ValueError):
@@ -144,11 +146,21 @@ class Extent:
             plus the skew margin); ``(None, None)`` when there are none.
         entity_modifications: min/max ``id`` over ``modifications`` and the checkpoints'
             ``modification_id`` (primary-key indexes; checkpoints keep their older ids).
+        history: min/max ``id`` of the whole ``modifications`` table (the bounds of
+            :func:`read_compared`).
+        unchecked: ``modifications`` received in the window before the pruning horizon
+            (their missing checks are skipped).
+        checkpoints: min/max ``modification_id`` of ``entity_checkpoints``.
+        checkpoint_count: its rows.
     """
 
     window_count: int
     modifications: tuple[int | None, int | None]
     entity_modifications: tuple[int | None, int | None]
+    history: tuple[int | None, int | None] = (None, None)
+    unchecked: int = 0
+    checkpoints: tuple[int | None, int | None] = (None, None)
+    checkpoint_count: int = 0
 
 
 def _in_range(start: datetime, end: datetime) -> str:
@@ -156,20 +168,29 @@ def _in_range(start: datetime, end: datetime) -> str:
 
 
 def read_extent(
-    spark: SparkSession, db: Database, window: Window, start: datetime, end: datetime
+    spark: SparkSession,
+    db: Database,
+    window: Window,
+    start: datetime,
+    end: datetime,
+    horizon: datetime | None = None,
 ) -> Extent:
     """The window's count and both partitioned reads' bounds in one query (one JDBC schema
     lookup and one Spark job instead of three of each). ``[start, end)`` is the range
     :func:`read_modifications` reads; the scan covers it and the window alike."""
     scan = _in_range(min(start, window.start), max(end, window.end))
     read = _in_range(start, end)
+    in_window = _in_range(window.start, window.end)
+    old = f"{in_window} AND received_at < {_ts(horizon)}" if horizon else "FALSE"
     sql = (
-        "SELECT w.n, w.lo, w.hi, least(m.lo, c.lo) AS e_lo, greatest(m.hi, c.hi) AS e_hi FROM"
-        f" (SELECT count(*) FILTER (WHERE {_in_range(window.start, window.end)}) AS n,"
+        "SELECT w.n, w.lo, w.hi, least(m.lo, c.lo) AS e_lo, greatest(m.hi, c.hi) AS e_hi,"
+        " m.lo AS m_lo, m.hi AS m_hi, w.old, c.lo AS c_lo, c.hi AS c_hi, c.n AS c_n FROM"
+        f" (SELECT count(*) FILTER (WHERE {in_window}) AS n,"
+        f"  count(*) FILTER (WHERE {old}) AS old,"
         f"  min(id) FILTER (WHERE {read}) AS lo, max(id) FILTER (WHERE {read}) AS hi"
         f"  FROM modifications WHERE {scan}) w,"
         " (SELECT min(id) AS lo, max(id) AS hi FROM modifications) m,"
-        " (SELECT min(modification_id) AS lo, max(modification_id) AS hi"
+        " (SELECT min(modification_id) AS lo, max(modification_id) AS hi, count(*) AS n"
         "  FROM entity_checkpoints) c"
     )
     row = _read_one(spark, db, sql)
@@ -177,6 +198,10 @@ def read_extent(
         window_count=int(row[0]),
         modifications=(row[1], row[2]),
         entity_modifications=(row[3], row[4]),
+        history=(row[5], row[6]),
+        unchecked=int(row[7]),
+        checkpoints=(row[8], row[9]),
+        checkpoint_count=int(row[10]),
     )
 
 
@@ -204,6 +229,34 @@ def read_modifications(
     return _partitioned(spark, db, sub, bounds, partitions, MODIFICATIONS_SCHEMA)
 
 
+def read_compared(
+    spark: SparkSession,
+    db: Database,
+    partitions: int,
+    bounds: tuple[int | None, int | None],
+    buckets: Collection[int] | None = None,
+) -> DataFrame:
+    """The rows the cross-database comparison joins: ``modifications`` of the given
+    buckets of :func:`read_digests` (``None``: every row), whenever received; ``bounds``:
+    :attr:`Extent.history`.
+
+    No time bound: the side that lacks a request of the window is looked up by
+    ``request_id`` over everything it holds, so a peer that received it hours after the
+    window (a regional outage, a backlog) is not reported missing. The buckets keep this
+    small: only those whose digests over the read range differ are read row by row.
+    """
+    where = "TRUE"
+    if buckets is not None:
+        if not buckets:
+            bounds = (None, None)
+        where = f"{_BUCKET} = ANY ('{{{','.join(map(str, sorted(buckets)))}}}'::int[])"
+    sub = (
+        "SELECT id, request_id, request_type, status, payload_sha256, owner, received_at,"
+        f" completed_at FROM modifications WHERE {where}"
+    )
+    return _partitioned(spark, db, sub, bounds, partitions, MODIFICATIONS_SCHEMA)
+
+
 def read_digests(spark: SparkSession, db: Database, start: datetime, end: datetime) -> DataFrame:
     """Per bucket of ``request_id``, the ``modifications`` received in ``[start, end)``
     summed up by PostgreSQL in one scan: ``bucket int, n bigint, digest string`` (the sum
@@ -224,12 +277,28 @@ def read_digests(spark: SparkSession, db: Database, start: datetime, end: dateti
     return spark.read.jdbc(db.jdbc_url, f"({sql}) AS src", properties=db.properties())
 
 
-def read_entity_modifications(
-    spark: SparkSession, db: Database, partitions: int, bounds: tuple[int | None, int | None]
-) -> DataFrame:
+def read_partitions(rows: int, at_least: int = 1) -> int:
+    """JDBC read partitions for about ``rows`` rows: one per :data:`ROWS_PER_READ_PARTITION`
+    (each partition is one transaction on the database: a short one holds back vacuum
+    for less), at least ``at_least``."""
+    return max(at_least, -(-rows // ROWS_PER_READ_PARTITION))
+
+
+def span(bounds: tuple[int | None, int | None]) -> int:
+    """Rows an ``id`` range may hold (0 when there is none)."""
+    lo, hi = bounds
+    return 0 if lo is None or hi is None else int(hi) - int(lo) + 1
+
+
+def read_entity_modifications(spark: SparkSession, db: Database, partitions: int,
+                              extent: Extent) -> DataFrame:
     """Every ``COMPLETED`` entity modification (all history: the state depends on all of it),
-    plus, per entity, the checkpoint the pruner left for the ones it deleted; ``bounds``
+    plus, per entity, the checkpoint the pruner left for the ones it deleted; ``extent``
     from :func:`read_extent`.
+
+    Two reads, each split by its own ``id`` range and sized from its rows: checkpoints keep
+    the old ids of what was pruned, so one range over both would put most rows in a few
+    partitions. ``modifications`` get at least ``partitions``.
 
     ``data`` travels as an md5 of its jsonb text: jsonb prints canonically (sorted keys, no
     whitespace), so equal documents hash equal, and the shuffle stays small.
@@ -240,17 +309,26 @@ def read_entity_modifications(
     over checkpoints plus what remains equals the replay over the whole history.
     """
     types = f"('{UPSERT}', '{DELETE}')"
-    sub = (
+    mods = (
         "SELECT id, request_id, request_type, payload->>'entity_id' AS entity_id,"
         " CASE WHEN jsonb_typeof(payload->'version') = 'number'"
         "      THEN (payload->>'version')::numeric::bigint END AS version,"
-        " md5((payload->'data')::text) AS data_md5, completed_at"
+        " md5((payload->'data')::text) AS data_md5, completed_at,"
+        " CASE WHEN jsonb_typeof(result->'applied') = 'boolean'"
+        "      THEN (result->>'applied')::boolean END AS applied"
         f" FROM modifications WHERE status = 'COMPLETED' AND request_type IN {types}"
-        " UNION ALL"
-        " SELECT modification_id, request_id, request_type, entity_id, version, data_md5,"
-        " completed_at FROM entity_checkpoints"
     )
-    return _partitioned(spark, db, sub, bounds, partitions, ENTITY_MODIFICATIONS_SCHEMA)
+    checkpoints = (
+        "SELECT modification_id AS id, request_id, request_type, entity_id, version,"
+        " data_md5, completed_at, applied FROM entity_checkpoints"
+    )
+    return _partitioned(
+        spark, db, mods, extent.history,
+        read_partitions(span(extent.history), partitions), ENTITY_MODIFICATIONS_SCHEMA,
+    ).unionByName(_partitioned(
+        spark, db, checkpoints, extent.checkpoints,
+        read_partitions(extent.checkpoint_count), ENTITY_MODIFICATIONS_SCHEMA,
+    ))
 
 
 def read_entities(spark: SparkSession, db: Database, partitions: int) -> DataFrame:
@@ -288,6 +366,15 @@ async def db_now(conn: asyncpg.Connection) -> datetime:
 async def try_lock(conn: asyncpg.Connection) -> bool:
     """Session advisory lock: one reconciliation per primary database at a time."""
     return bool(await conn.fetchval("SELECT pg_try_advisory_lock($1)", RECONCILE_LOCK_KEY))
+
+
+async def holds_lock(conn: asyncpg.Connection) -> bool:
+    """Whether this session still holds the reconcile lock."""
+    return bool(await conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND pid = pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = $1)",
+        RECONCILE_LOCK_KEY,
+    ))
 
 
 async def unlock(conn: asyncpg.Connection) -> None:

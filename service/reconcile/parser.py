@@ -22,6 +22,8 @@ from service.settings import (
 )
 
 EXIT_CONFIG = 2
+#: INGEST_RETENTION_DAYS' default (service.settings.Settings.retention_days).
+DEFAULT_RETENTION_DAYS = 30.0
 
 
 class UsageError(Exception):
@@ -87,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="margin read around the window when looking a request up in the other database",
     )
+    p.add_argument(
+        "--retention-days",
+        type=_positive(float),
+        default=None,
+        help="the smallest INGEST_RETENTION_DAYS of the databases (default: "
+        "$INGEST_RETENTION_DAYS, else 30; 0 = never pruned): requests of the window older "
+        "than it are not checked for missing_in_peer/missing_in_primary",
+    )
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
     p.add_argument("--jars", default=None, help=f"extra jars, comma-separated ({DEFAULT_JDBC_JAR})")
     p.add_argument("--partitions", type=_positive(int), default=8, help="JDBC read partitions")
@@ -95,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pushgateway", default=None, help="Prometheus Pushgateway URL")
     _sidecar_arguments(p)
     p.add_argument(
-        "--retention-days",
+        "--runs-retention-days",
         type=_retention,
         default=os.environ.get("INGEST_RECONCILE_RETENTION_DAYS") or "90",
         help="runs (and their discrepancies) finished longer ago are deleted after each run "
@@ -123,6 +133,11 @@ class Args:
     ns: argparse.Namespace
 
     def options(self, run_date: date) -> JobOptions:
+        if not self.ns.stuck_after > 0:
+            raise UsageError(
+                "configuration error: --stuck-after must be > 0 minutes (0 would report"
+                " every claim still being applied as stuck)"
+            )
         primary_dsn, peer_dsns = self.databases()
         dbs = [Database("primary", primary_dsn)] + [
             Database(f"peer{i}", url) for i, url in enumerate(peer_dsns, start=1)
@@ -139,11 +154,30 @@ class Args:
             lookback=timedelta(hours=self.ns.lookback_hours),
             stuck_after=timedelta(minutes=self.ns.stuck_after),
             skew_margin=timedelta(minutes=self.ns.skew_minutes),
+            retention=self.retention(),
             partitions=max(1, self.ns.partitions),
             max_discrepancies=self.ns.max_discrepancies,
             output=self.ns.output,
         )
 
+
+    def retention(self) -> timedelta | None:
+        """How long the databases keep completed modifications: ``--retention-days``, else
+        INGEST_RETENTION_DAYS (the daemon's setting), else its default; None: never pruned."""
+        days = self.ns.retention_days
+        if days is None:
+            text = os.environ.get("INGEST_RETENTION_DAYS", "").strip()
+            try:
+                days = float(text) if text else DEFAULT_RETENTION_DAYS
+            except ValueError:
+                raise UsageError(
+                    f"configuration error: INGEST_RETENTION_DAYS: not a number: {text!r}"
+                ) from None
+            if not days > 0:
+                raise UsageError(
+                    f"configuration error: INGEST_RETENTION_DAYS: must be > 0: {text!r}"
+                )
+        return timedelta(days=days) if days else None
 
     def databases(self) -> tuple[str, list[str]]:
         """(primary, peers) as canonical URLs, every password remembered for scrubbing.
@@ -165,6 +199,16 @@ class Args:
                 raise UsageError(str(exc)) from None
             return dsn.url()
 
+        if "PYSPARK_GATEWAY_PORT" in os.environ:  # under spark-submit
+            for flag, given in (("--database-url", self.ns.database_url),
+                                ("--peer-url", self.ns.peer_url)):
+                if given:
+                    raise UsageError(
+                        f"configuration error: {flag}: the Spark UI and event log show"
+                        " spark-submit's arguments; pass database URLs in"
+                        " INGEST_DATABASE_URL(_FILE), --peer-url-file or"
+                        " INGEST_RECONCILE_PEER_URLS(_FILE)"
+                    )
         try:
             primary = (canonical("--database-url", self.ns.database_url)
                        if self.ns.database_url else database_url_from_env())

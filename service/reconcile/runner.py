@@ -29,6 +29,30 @@ class _Written(NamedTuple):
     result: JobResult
 
 
+class LockLost(RuntimeError):
+    """The reconcile lock's session ended during the run and another run holds it now."""
+
+
+#: The lock's session sits idle for the whole Spark run: the server sends TCP keepalives
+#: on it (a NAT or load balancer drops an idle flow silently); a server-wide
+#: idle_session_timeout is switched off for it (:func:`connect_for_lock`).
+LOCK_SESSION_SETTINGS = {
+    "tcp_keepalives_idle": "60",
+    "tcp_keepalives_interval": "10",
+    "tcp_keepalives_count": "6",
+    "application_name": "sqs-ingest-reconcile",
+}
+
+
+async def connect_for_lock(dsn: str) -> asyncpg.Connection:
+    conn: asyncpg.Connection = await asyncpg.connect(
+        dsn, server_settings=LOCK_SESSION_SETTINGS
+    )
+    if conn.get_server_version().major >= 14:  # the setting's first release
+        await conn.execute("SET idle_session_timeout = 0")
+    return conn
+
+
 def summary(run_id: int | None, opts: JobOptions, result: JobResult) -> dict[str, Any]:
     """The JSON summary printed on stdout at the end of a completed run."""
     return {
@@ -43,6 +67,7 @@ def summary(run_id: int | None, opts: JobOptions, result: JobResult) -> dict[str
         "truncated": result.truncated,
         "modifications": result.modifications,
         "databases": result.databases,
+        "skipped": result.skipped,
         "duration_seconds": round(result.duration_seconds, 3),
     }
 
@@ -54,6 +79,8 @@ class Runner:
         self.args = args
         self.metrics = metrics
         self._spark: SparkSession | None = None
+        #: The connections that held the lock in this run (the last one holds it now).
+        self._held: list[asyncpg.Connection] = []
 
     def cancel(self) -> None:
         """SIGTERM during a run: stop the Spark jobs; the run then fails without writing."""
@@ -69,7 +96,7 @@ class Runner:
         bound = log().bind(run_date=run_date.isoformat())
         t0 = time.monotonic()
         try:
-            conn = await asyncpg.connect(opts.primary.dsn)
+            conn = await connect_for_lock(opts.primary.dsn)
         except (OSError, asyncpg.PostgresError) as exc:
             bound.error(
                 "reconcile_failed", stage="connect", database=opts.primary.redacted,
@@ -86,8 +113,10 @@ class Runner:
             self.metrics.observe("failed", time.monotonic() - t0, None)
             return EXIT_FAILED
         finally:
-            with contextlib.suppress(Exception):
-                await conn.close()
+            for held in (conn, *self._held):
+                with contextlib.suppress(Exception):
+                    await held.close()
+            self._held = []
         if isinstance(outcome, int):
             return outcome
         return self._report(opts, outcome, time.monotonic() - t0, bound)
@@ -100,6 +129,7 @@ class Runner:
             bound.warning("reconcile_skipped", reason="another reconciliation holds the lock")
             self.metrics.observe("skipped", 0.0, None)
             return EXIT_CLEAN if skip_if_done else EXIT_FAILED
+        self._held = [conn]
         try:
             if skip_if_done and await io.run_exists(conn, opts.run_date):
                 bound.info("reconcile_skipped", reason="date already reconciled")
@@ -108,7 +138,26 @@ class Runner:
             return await self._check_and_write(conn, opts, bound)
         finally:
             with contextlib.suppress(Exception):
-                await io.unlock(conn)
+                await io.unlock(self._held[-1])
+
+    async def _relock(self, conn: asyncpg.Connection, opts: JobOptions, bound: Any
+                      ) -> asyncpg.Connection:
+        """Before writing: the connection that still holds the lock. Its session may have
+        ended during the Spark run (idle timeout, failover, terminated); then the lock is
+        taken again on a new one, or, when another run took it meanwhile, the run fails
+        (:class:`LockLost`): two runs never write one date concurrently."""
+        with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            if not conn.is_closed() and await io.holds_lock(conn):
+                return conn
+        bound.warning("reconcile_lock_session_lost", action="taking the lock again")
+        fresh = await connect_for_lock(opts.primary.dsn)
+        self._held.append(fresh)
+        if not await io.try_lock(fresh):
+            raise LockLost(
+                "the reconcile lock's session ended during the run and another"
+                " reconciliation holds the lock now: results not written"
+            )
+        return fresh
 
     async def _check_and_write(
         self, conn: asyncpg.Connection, opts: JobOptions, bound: Any
@@ -121,6 +170,7 @@ class Runner:
             databases={db.label: db.redacted for db in opts.databases},
         )
         result = await asyncio.to_thread(self._run_spark, opts, started_at)
+        conn = await self._relock(conn, opts, bound)
         finished_at = await io.db_now(conn)
         run_id = await io.write_results(
             conn,
@@ -135,7 +185,7 @@ class Runner:
                 discrepancies=result.discrepancies,
             ),
         )
-        pruned = await io.prune_runs(conn, self.args.ns.retention_days)
+        pruned = await io.prune_runs(conn, self.args.ns.runs_retention_days)
         if pruned:
             bound.info("reconcile_pruned", runs=pruned)
         return _Written(run_id, result)

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
+UTC_JAVA_OPTION = "-Duser.timezone=UTC"
 
 
 def spark_session(
@@ -30,6 +31,11 @@ def spark_session(
     builder = (
         SparkSession.builder.appName("sqs-ingest-reconcile")
         .config("spark.sql.session.timeZone", "UTC")
+        # Timestamp filters pushed down to JDBC are rendered in the JVM's default zone:
+        # UTC on the driver and the executors, whatever the host's zone. Under
+        # spark-submit the driver's JVM is already up: pass these there (docs).
+        .config("spark.driver.extraJavaOptions", UTC_JAVA_OPTION)
+        .config("spark.executor.extraJavaOptions", UTC_JAVA_OPTION)
         # Progress bars would interleave with the JSON log lines on stderr.
         .config("spark.ui.showConsoleProgress", "false")
     )

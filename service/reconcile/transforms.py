@@ -28,7 +28,7 @@ MODIFICATIONS_SCHEMA = (
 )
 ENTITY_MODIFICATIONS_SCHEMA = (
     "id bigint, request_id string, request_type string, entity_id string, version bigint, "
-    "data_md5 string, completed_at timestamp"
+    "data_md5 string, completed_at timestamp, applied boolean"
 )
 ENTITIES_SCHEMA = (
     "entity_id string, version bigint, deleted boolean, data_md5 string, request_id string, "
@@ -104,8 +104,13 @@ def compare_databases(
     window: Window,
     inflight_cutoff: datetime,
     peer_label: str,
+    checked_from: datetime | None = None,
 ) -> DataFrame:
     """``missing_in_peer``, ``missing_in_primary``, ``status_mismatch``, ``payload_mismatch``.
+
+    ``checked_from``: the pruning horizon. A request received before it may already be
+    pruned on one side only (each database prunes on its own phase), so it is never
+    reported missing; requests both sides hold are still compared.
 
     Both inputs may cover a wider range than ``window`` (the loader reads a margin either
     side): a request the primary received at 23:59:59 and the peer at 00:00:01 is present
@@ -116,14 +121,12 @@ def compare_databases(
 
     p = primary.select([F.col(c).alias(f"p_{c}") for c in primary.columns])
     q = peer.select([F.col(c).alias(f"q_{c}") for c in peer.columns])
-    # A shuffled hash join: each partition of the primary's window is a hash table the
-    # peer's rows probe, instead of sorting both whole windows for a sort-merge join.
-    joined = p.hint("shuffle_hash").join(
-        q, F.col("p_request_id") == F.col("q_request_id"), "full_outer"
-    ).where(
+    # Spark picks the join (a sort-merge join spills; a forced hash join's tables
+    # cannot, which a mass incident's volume would need).
+    joined = p.join(q, F.col("p_request_id") == F.col("q_request_id"), "full_outer").where(
         _in_window(F.col("p_received_at"), window) | _in_window(F.col("q_received_at"), window)
     )
-    sides = _Sides(window, inflight_cutoff, peer_label)
+    sides = _Sides(window, inflight_cutoff, peer_label, checked_from)
     # One pass over one join: every check is a conditional row of the same select. A
     # union of one filtered frame per check would make the optimizer push each check's
     # own filters below the join, so that no exchange is shared and both sides are
@@ -203,6 +206,7 @@ class _Sides:
     window: Window
     inflight_cutoff: datetime
     peer_label: str
+    checked_from: datetime | None = None
 
     def settled(self, prefix: str) -> Column:
         from pyspark.sql import functions as F
@@ -215,11 +219,16 @@ class _Sides:
 
         label = {"p": "primary", "q": self.peer_label}
         kind = "missing_in_peer" if lack == "q" else "missing_in_primary"
-        return _Check(
+        when = (
             F.col(f"{have}_id").isNotNull()
             & ~F.col(f"{lack}_id").isNotNull()
             & _in_window(F.col(f"{have}_received_at"), self.window)
-            & self.settled(have),
+            & self.settled(have)
+        )
+        if self.checked_from is not None:  # older: maybe pruned on the other side only
+            when &= F.col(f"{have}_received_at") >= F.lit(self.checked_from)
+        return _Check(
+            when,
             kind,
             F.col(f"{have}_request_id"),
             None,
@@ -276,7 +285,10 @@ def _side(prefix: str) -> Column:
 def replay_entities(entity_mods: DataFrame) -> DataFrame:
     """The state the reference handlers must have left: per entity, the ``COMPLETED``
     ``entity.upsert``/``entity.delete`` with the highest version; on a version tie the one
-    completed first (a later equal version is not "strictly newer", so it never landed).
+    the handler applied (``applied``: ``result->>'applied'``, true before unknown before
+    false), then the one completed first (a later equal version is not "strictly newer",
+    so it never landed). ``applied`` decides the ties inside one batch: both rows share
+    ``completed_at`` and the first in batch order, not the lower id, landed.
 
     Returns ``entity_id, version, deleted, data_md5, request_id``.
     """
@@ -292,6 +304,7 @@ def _replay(entity_mods: DataFrame) -> DataFrame:
     entity = W.partitionBy("entity_id")
     order = entity.orderBy(
         F.col("version").desc_nulls_last(),
+        F.when(F.col("applied"), 0).when(~F.col("applied"), 2).otherwise(1).asc(),
         F.col("completed_at").asc_nulls_last(),
         F.col("id").asc(),
     )

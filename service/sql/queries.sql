@@ -370,7 +370,8 @@ UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::bigint[]) RETURNI
 -- still be in the queue. The
 -- retry counts of the deleted requests go with them, and the entity checkpoint takes the
 -- winner of the deleted entity modifications (same order as transforms.replay_entities:
--- version desc nulls last, completed_at, id), in the same transaction.
+-- version desc nulls last, applied first (result->>'applied': true, unknown, false; a tie
+-- inside one batch shares completed_at), completed_at, id), in the same transaction.
 WITH doomed AS (
     SELECT m.id FROM modifications m
      WHERE m.status = 'COMPLETED'
@@ -385,7 +386,7 @@ WITH doomed AS (
 ), gone AS (
     DELETE FROM modifications m USING doomed
      WHERE m.id = doomed.id AND m.status = 'COMPLETED'
-    RETURNING m.id, m.request_id, m.request_type, m.payload, m.completed_at
+    RETURNING m.id, m.request_id, m.request_type, m.payload, m.completed_at, m.result
 ), retries AS (
     DELETE FROM retry_attempts r USING gone WHERE r.request_id = gone.request_id
     RETURNING r.request_id
@@ -394,25 +395,32 @@ WITH doomed AS (
         SELECT payload->>'entity_id' AS entity_id, id, request_id, request_type,
                CASE WHEN jsonb_typeof(payload->'version') = 'number'
                     THEN (payload->>'version')::numeric::bigint END AS version,
-               md5((payload->'data')::text) AS data_md5, completed_at
+               md5((payload->'data')::text) AS data_md5, completed_at,
+               CASE WHEN jsonb_typeof(result->'applied') = 'boolean'
+                    THEN (result->>'applied')::boolean END AS applied
           FROM gone
          WHERE request_type IN ('entity.upsert', 'entity.delete')
            AND payload->>'entity_id' IS NOT NULL) g
-     ORDER BY entity_id, version DESC NULLS LAST, completed_at, id
+     ORDER BY entity_id, version DESC NULLS LAST,
+              CASE applied WHEN true THEN 0 WHEN false THEN 2 ELSE 1 END, completed_at, id
 ), checkpoints AS (
     INSERT INTO entity_checkpoints AS c
-        (entity_id, modification_id, request_id, request_type, version, data_md5, completed_at)
-    SELECT entity_id, id, request_id, request_type, version, data_md5, completed_at
+        (entity_id, modification_id, request_id, request_type, version, data_md5, completed_at,
+         applied)
+    SELECT entity_id, id, request_id, request_type, version, data_md5, completed_at, applied
       FROM winners
      ORDER BY entity_id
     ON CONFLICT (entity_id) DO UPDATE
        SET modification_id = EXCLUDED.modification_id, request_id = EXCLUDED.request_id,
            request_type = EXCLUDED.request_type, version = EXCLUDED.version,
-           data_md5 = EXCLUDED.data_md5, completed_at = EXCLUDED.completed_at
+           data_md5 = EXCLUDED.data_md5, completed_at = EXCLUDED.completed_at,
+           applied = EXCLUDED.applied
      WHERE (EXCLUDED.version IS NOT NULL AND (c.version IS NULL OR EXCLUDED.version > c.version))
         OR (EXCLUDED.version IS NOT DISTINCT FROM c.version
-            AND (EXCLUDED.completed_at, EXCLUDED.modification_id)
-                < (c.completed_at, c.modification_id))
+            AND (CASE EXCLUDED.applied WHEN true THEN 0 WHEN false THEN 2 ELSE 1 END,
+                 EXCLUDED.completed_at, EXCLUDED.modification_id)
+                < (CASE c.applied WHEN true THEN 0 WHEN false THEN 2 ELSE 1 END,
+                   c.completed_at, c.modification_id))
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM gone) AS modifications,

@@ -184,6 +184,26 @@ async def test_only_what_is_past_its_retention_goes(
 
 
 @pytest.mark.parametrize("batch", [1, 1000])
+async def test_entity_checkpoint_breaks_a_version_tie_by_what_was_applied(
+    db: asyncpg.Connection, database_url: str, batch: int,
+) -> None:
+    """Two requests of one entity and version completed by one statement (same
+    ``completed_at``): the handler applied the second id; the checkpoint keeps it, as the
+    replay does (transforms.replay_entities)."""
+    await db.execute(
+        "INSERT INTO modifications (request_id, request_type, payload, payload_sha256,"
+        " status, sqs_message_id, completed_at, result)"
+        " SELECT r, 'entity.upsert', jsonb_build_object('entity_id', 't', 'version', 7,"
+        "        'data', jsonb_build_object('r', r)),"
+        " 'h', 'COMPLETED', 'm-' || r, now() - interval '50 days',"
+        " jsonb_build_object('applied', r = 't-b')"
+        " FROM unnest(ARRAY['t-a', 't-b']) AS r")
+    await prune_once(database_url, settings(database_url, prune_batch_size=batch))
+    assert await db.fetchval(
+        "SELECT request_id FROM entity_checkpoints WHERE entity_id = 't'") == "t-b"
+
+
+@pytest.mark.parametrize("batch", [1, 1000])
 async def test_entity_checkpoint_keeps_the_winner_of_what_was_pruned(
     db: asyncpg.Connection, database_url: str, batch: int,
 ) -> None:

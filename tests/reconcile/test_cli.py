@@ -145,3 +145,24 @@ def test_sidecar_serves_metrics_and_stops_on_sigterm(database_url: str) -> None:
     _, err = proc.communicate()
     assert b'"event":"reconcile_next_run"' in err
     assert b"pyspark" not in err
+
+
+def test_stuck_after_zero_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 would make the cutoff "now": every claim in flight would be reported stuck.
+    assert cli.main(["--stuck-after", "0", "--database-url", "postgresql://u@127.0.0.1:1/d"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stuck-after" in err[0], err
+
+
+def test_under_spark_submit_dsns_on_the_command_line_are_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spark-submit's application arguments show in the Spark UI and the event log."""
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # as under spark-submit
+    for flag in ("--database-url", "--peer-url"):
+        argv = ["--date", "2024-05-01", flag, "postgresql://u:hunter2@127.0.0.1:1/d"]
+        if flag == "--peer-url":
+            monkeypatch.setenv("INGEST_DATABASE_URL", "postgresql://u@127.0.0.1:1/d")
+        assert cli.main(argv) == 2, flag
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0] and "hunter2" not in err[0], err

@@ -45,6 +45,8 @@ async def run(primary: str, peer: str) -> int:
                                           "--peer-url", peer, "--partitions", "2"])
 
 
+# Two fills by the daemon and two Spark runs: minutes on a loaded 2-core machine.
+@pytest.mark.timeout(600)
 async def test_daemon_filled_databases_reconcile_clean_then_drift_is_found(
     sqs_client: Any, sqs_endpoint: str, database_url: str, peer_url: str
 ) -> None:

@@ -186,6 +186,9 @@ async def reconcile(primary: str, peer: str, *extra: str) -> int:
         with_password(peer),
         "--partitions",
         "3",
+        # 2024's dates lie past any retention: these databases are never pruned.
+        "--retention-days",
+        "0",
         *extra,
     ]
     return await asyncio.to_thread(main, argv)
@@ -385,3 +388,151 @@ async def test_max_discrepancies_stores_the_first_in_order_and_counts_them_all(
         assert len(disc) == stored_rows, limit
         if limit == 4:
             assert sorted((k, r, e, s) for _, k, r, e, s, _ in disc) == sorted(first_four)
+
+
+async def test_a_peer_lagging_past_the_skew_margin_is_not_missing(
+    spark, database_url: str, peer_url: str, capfd
+) -> None:
+    """A peer-region outage: requests of the primary's window reached the peer two hours
+    after the window's end (past --skew-minutes); the peer holds them when the job runs."""
+    await seed(database_url)
+    await seed(peer_url)
+    late = datetime(2024, 5, 2, 2, 0, tzinfo=UTC)  # window end + 2 h
+    q = await asyncpg.connect(peer_url)
+    try:
+        await q.execute(
+            "UPDATE modifications SET received_at = $1::timestamptz,"
+            " completed_at = $1::timestamptz + interval '1 second'"
+            " WHERE request_id IN ('inv-1', 'inv-2')",
+            late,
+        )
+    finally:
+        await q.close()
+
+    assert await reconcile(database_url, peer_url) == 0
+    out, _ = capfd.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["counts"] == dict.fromkeys(EXPECTED_COUNTS, 0)
+
+
+async def test_a_one_sided_prune_at_the_window_s_edge_is_not_missing(
+    spark, database_url: str, peer_url: str, capfd
+) -> None:
+    """A retention of 2 days and yesterday's window: its start (48 h ago at the latest,
+    minus the lookback) lies past the retention, where each database prunes on its own
+    phase. A request of that edge that the peer already pruned is not missing; one of the
+    checked part that the peer lacks still is; the run's record says what was skipped."""
+    now = datetime.now(UTC)
+    day = (now - timedelta(days=1)).date()
+    window_start = datetime.combine(day, datetime.min.time(), tzinfo=UTC) - timedelta(days=1)
+    edge, checked = window_start + timedelta(minutes=10), now - timedelta(hours=25)
+    for dsn in (database_url, peer_url):
+        conn = await asyncpg.connect(dsn)
+        try:
+            await insert_modification(conn, "edge-pruned", "invoice.created", {"i": 1}, edge)
+            await insert_modification(conn, "gone", "invoice.created", {"i": 2}, checked)
+            if dsn == peer_url:  # the peer pruned the edge; it lost "gone" for real
+                await conn.execute(
+                    "DELETE FROM modifications WHERE request_id IN ('edge-pruned', 'gone')")
+        finally:
+            await conn.close()
+
+    argv = ["--date", day.isoformat(), "--database-url", database_url, "--peer-url", peer_url,
+            "--partitions", "2", "--retention-days", "2"]
+    assert await asyncio.to_thread(main, argv) == 1
+    out, _ = capfd.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["counts"] == {**dict.fromkeys(EXPECTED_COUNTS, 0), "missing_in_peer": 1}
+    runs, disc = await stored(database_url)
+    assert [(k, r) for _, k, r, *_ in disc] == [("missing_in_peer", "gone")]
+    skipped = json.loads(runs[0]["counts"])["skipped"]
+    assert skipped["checks"] == ["missing_in_peer", "missing_in_primary"]
+    assert skipped["retention_days"] == 2
+    horizon = datetime.fromisoformat(skipped["received_before"])
+    assert edge < horizon < checked
+    assert skipped["requests"] == {"primary": 1, "peer1": 0}
+    assert summary["skipped"] == skipped
+
+
+async def _lock_holders(dsn: str, *, terminate: bool) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        pids = await conn.fetch(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND ((classid::bigint << 32) | objid::bigint) = $1",
+            io.RECONCILE_LOCK_KEY,
+        )
+        for row in pids if terminate else []:
+            await conn.execute("SELECT pg_terminate_backend($1)", row["pid"])
+        return len(pids)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.timeout(900)
+async def test_a_lock_dropped_mid_run_is_taken_again_before_writing(
+    spark, database_url: str, peer_url: str, capfd, monkeypatch
+) -> None:
+    """The reconcile lock's session ends while Spark runs (an idle timeout, a failover:
+    here pg_terminate_backend). Nobody else took it: the run takes it again and writes.
+    Another run took it meanwhile: the first fails clearly (exit 3) and writes nothing,
+    so two runs never write one date concurrently."""
+    await seed(database_url)
+    await seed(peer_url)
+    original = job.run
+    rival: list[asyncpg.Connection] = []
+
+    def run_losing_the_lock(spark, opts, as_of):  # type: ignore[no-untyped-def]
+        async def drop() -> None:
+            assert await _lock_holders(database_url, terminate=True) == 1
+            if rival:
+                assert await rival[0].fetchval(
+                    "SELECT pg_try_advisory_lock($1)", io.RECONCILE_LOCK_KEY)
+
+        asyncio.run_coroutine_threadsafe(drop(), loop).result(timeout=60)
+        return original(spark, opts, as_of)
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(job, "run", run_losing_the_lock)
+
+    assert await reconcile(database_url, peer_url) == 0
+    runs, _ = await stored(database_url)
+    assert [r["status"] for r in runs] == ["clean"]
+    assert await _lock_holders(database_url, terminate=False) == 0  # given back
+
+    capfd.readouterr()
+    rival.append(await asyncpg.connect(database_url))
+    try:
+        assert await reconcile(database_url, peer_url) == 3
+        _, err = capfd.readouterr()
+        assert '"event": "reconcile_failed"' in err or '"event":"reconcile_failed"' in err
+        assert "lock" in err
+        assert [r["run_id"] for r in (await stored(database_url))[0]] == [runs[0]["run_id"]]
+    finally:
+        await rival[0].close()
+
+
+async def test_entity_history_partitions_are_not_skewed_by_old_checkpoint_ids(
+    spark, database_url: str
+) -> None:
+    """A checkpoint keeps the id of a long-pruned modification: one id range over both
+    would put the whole remaining history into its last partition."""
+    from pyspark.sql import functions as F
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "INSERT INTO entity_checkpoints (entity_id, modification_id, request_id,"
+            " request_type, version, data_md5, completed_at)"
+            " VALUES ('old', 1, 'old-1', 'entity.upsert', 1, 'x', $1)", at(-60 * 24 * 40))
+        await conn.execute("SELECT setval('modifications_id_seq', 10000000)")
+    finally:
+        await conn.close()
+    await seed(database_url)
+    db = io.Database("primary", database_url)
+    opts = JobOptions(run_date=date(2024, 5, 1), primary=db)
+    extent = (await asyncio.to_thread(job.read_extents, spark, opts, T0))["primary"]
+    df = io.read_entity_modifications(spark, db, 8, extent)
+    sizes = [r["count"] for r in df.groupBy(F.spark_partition_id()).count().collect()]
+    assert sum(sizes) == 8  # 7 entity modifications + the checkpoint
+    # One range over both: [7, 1] (everything but the checkpoint in the last partition).
+    assert max(sizes) < 7 and len(sizes) > 2, sizes

@@ -67,6 +67,8 @@ async def shift(dsn: str, days: int) -> None:
         await conn.close()
 
 
+# Two fills by the daemon and two Spark runs: minutes on a loaded 2-core machine.
+@pytest.mark.timeout(600)
 async def test_pruned_databases_reconcile_clean_then_drift_is_found(
     sqs_client: Any, sqs_endpoint: str, database_url: str, peer_url: str
 ) -> None:

@@ -165,8 +165,8 @@ def test_differing_buckets(spark) -> None:
     assert sorted(r["bucket"] for r in got.collect()) == [2, 3, 4, 5]
 
 
-def emod(id_, rid, rtype, entity, version, md5, completed):
-    return (id_, rid, rtype, entity, version, md5, completed)
+def emod(id_, rid, rtype, entity, version, md5, completed, applied=None):
+    return (id_, rid, rtype, entity, version, md5, completed, applied)
 
 
 ENTITY_MODS = [
@@ -201,6 +201,25 @@ def test_replay_entities(spark) -> None:
             "entity_id string, version bigint, deleted boolean, data_md5 string, request_id string",
         ),
     )
+
+
+def test_a_version_tie_in_one_batch_replays_what_was_applied(spark) -> None:
+    """Two requests of one entity and version completed by one statement (one
+    ``completed_at``): the handler applied the first in batch order, which need not be
+    the lower id (ids follow request_id order at the claim)."""
+    same = ts(1, 5)
+    mods = [
+        emod(20, "t-a", "entity.upsert", "t", 7, "not-applied", same, False),
+        emod(21, "t-b", "entity.upsert", "t", 7, "applied", same, True),
+    ]
+    entities = [("t", 7, False, "applied", "t-b", same)]
+    got = T.entity_drift(
+        spark.createDataFrame(entities, T.ENTITIES_SCHEMA),
+        spark.createDataFrame(mods, T.ENTITY_MODIFICATIONS_SCHEMA),
+        inflight_cutoff=CUTOFF,
+        source="primary",
+    )
+    assert got.collect() == []
 
 
 def test_entity_drift(spark) -> None:
