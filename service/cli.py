@@ -45,11 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the daemon in the foreground")
     sub.add_parser("migrate", help="apply pending database migrations")
-    gr = sub.add_parser("grants", help="print the SQL that grants a role what the daemon "
-                        "needs: the core tables and every handler package's tables")
-    gr.add_argument("--role", required=True, help="the role the daemon logs in as")
-    gr.add_argument("--apply", action="store_true",
-                    help="run the statements too (INGEST_DATABASE_URL as the tables' owner)")
+    _grants_parser(sub)
     sub.add_parser("gc", help="release claims of dead workers once, and print them")
     pn = sub.add_parser("prune", help="delete rows past their retention once (README "
                         "'Retention'), and print the counts per table")
@@ -83,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--count", type=int, default=20)
     pr.add_argument("--seed", type=int, default=1)
     return p
+
+
+def _grants_parser(sub: Any) -> None:
+    gr = sub.add_parser("grants", help="print the SQL that grants a role what the daemon "
+                        "needs: the core tables and every handler package's tables")
+    gr.add_argument("--role", required=True, help="the role the daemon logs in as")
+    gr.add_argument("--apply", action="store_true",
+                    help="run the statements too (INGEST_DATABASE_URL as the tables' owner)")
 
 
 def main(argv: list[str] | None = None) -> int:

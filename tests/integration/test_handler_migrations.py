@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import pytest
 
+from service.migrate import migrate
 from tests.acceptance.harness import Daemon, daemon_env, send_all, wait_drained
 from tests.handler_package import install, write_package
 from tests.integration.test_migrate import empty_db
@@ -140,6 +142,28 @@ async def test_migrate_records_each_file_and_the_tables_it_created(
         await conn.close()
     printed = await asyncio.to_thread(sqs_ingest, site, dsn, "grants", "--role", "someone")
     assert "GRANT USAGE ON SEQUENCE public.acme_refunds_id_seq TO someone;" in printed.stdout
+
+
+async def test_two_concurrent_migrations_apply_each_handler_file_once(
+    pg_server: Postgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two migrate Jobs at once serialise on the one advisory lock, handler files included."""
+    install(write_package(_empty(tmp_path / "src")), tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    dsn = await empty_db(pg_server)
+    a, b = await asyncio.gather(migrate(dsn), migrate(dsn))
+    labels = sorted(m.label for m in a + b)
+    assert labels.count("acme-orders/001_orders") == 1 and len(labels) == 8
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM ingest_handler_migrations") == 1
+    finally:
+        await conn.close()
+
+
+def _empty(folder: Path) -> Path:
+    folder.mkdir()
+    return folder
 
 
 async def test_a_changed_applied_handler_migration_exits_2_naming_package_and_file(
