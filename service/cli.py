@@ -1,4 +1,5 @@
-"""Argument parsing only: run, migrate, gc, prune, dlq, reconcile, produce, schema, handlers."""
+"""Argument parsing only: run, migrate, grants, gc, prune, dlq, reconcile, produce, schema,
+handlers."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the daemon in the foreground")
     sub.add_parser("migrate", help="apply pending database migrations")
+    _grants_parser(sub)
     sub.add_parser("gc", help="release claims of dead workers once, and print them")
     pn = sub.add_parser("prune", help="delete rows past their retention once (README "
                         "'Retention'), and print the counts per table")
@@ -77,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--count", type=int, default=20)
     pr.add_argument("--seed", type=int, default=1)
     return p
+
+
+def _grants_parser(sub: Any) -> None:
+    gr = sub.add_parser("grants", help="print the SQL that grants a role what the daemon "
+                        "needs: the core tables and every handler package's tables")
+    gr.add_argument("--role", required=True, help="the role the daemon logs in as")
+    gr.add_argument("--apply", action="store_true",
+                    help="run the statements too (INGEST_DATABASE_URL as the tables' owner)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +127,15 @@ def _run(settings: Settings) -> int:
 
     if (failed := _load_handlers(settings)) is not None:
         return failed
+    from service.errors import ConfigError
+    from service.migrate import installed_packages
+    from service.secrets import safe
+
+    try:
+        installed_packages()  # the handler packages' migrations, checked with the schema
+    except ConfigError as exc:
+        print(safe(f"sqs-ingest: configuration error: {exc}"), file=sys.stderr)
+        return EXIT_CONFIG
     if not settings.tracing:
         return diagnose.guard(settings, lambda: _run_async(
             app.run(settings, early_signals=_early_signals)))
@@ -140,6 +159,11 @@ def _command(settings: Settings, args: argparse.Namespace) -> int:
         return _run_async(_migrate(settings))
     if args.command == "gc":
         return _run_async(_gc(settings))
+    if args.command == "grants":
+        from service import grants
+
+        return _run_async(grants.main(settings.database_dsn, settings.database_redacted,
+                                      args.role, args.apply))
     if args.command == "prune":
         from service import prune_command
 
@@ -167,7 +191,7 @@ def _settings_for(args: argparse.Namespace) -> Settings:
 
     # migrate, gc and dlq list only need the database: a migrate Job may have no queue URL.
     # prune too: without the queue it runs only when its retentions exceed SQS's maximum.
-    db_only = args.command in ("migrate", "gc", "prune") or (
+    db_only = args.command in ("migrate", "gc", "prune", "grants") or (
         args.command == "dlq" and args.dlq_command == "list"
     )
     queue_set = is_set("queue_url")
@@ -236,13 +260,24 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _migrate(settings: Settings) -> int:
     import asyncpg
 
-    from service.errors import MigrationBlocked, MigrationChanged
+    from service.errors import (
+        ConfigError,
+        HandlerMigrationChanged,
+        MigrationBlocked,
+        MigrationChanged,
+    )
     from service.migrate import migrate
     from service.secrets import safe
 
     try:
         applied = await migrate(settings.database_dsn, settings.migrate_lock_timeout,
                                 settings.migrate_attempts)
+    except ConfigError as exc:
+        print(safe(f"sqs-ingest: configuration error: {exc}"), file=sys.stderr)
+        return EXIT_CONFIG
+    except HandlerMigrationChanged as exc:
+        print(safe(f"sqs-ingest: migrate refused: {exc}"), file=sys.stderr)
+        return EXIT_CONFIG
     except MigrationChanged as exc:
         print(safe(f"sqs-ingest: migrate refused: {exc}"), file=sys.stderr)
         return 1
@@ -254,7 +289,7 @@ async def _migrate(settings: Settings) -> int:
                    f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     print(f"applied {len(applied)} migration(s)" + (
-        ": " + ", ".join(f"{m.version:03d}_{m.name}" for m in applied) if applied else ""))
+        ": " + ", ".join(m.label for m in applied) if applied else ""))
     return 0
 
 

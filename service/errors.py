@@ -92,6 +92,21 @@ class MigrationChanged(SchemaBehind):
         self.migration = migration
 
 
+class HandlerMigrationChanged(MigrationChanged):
+    """A handler package's applied migration no longer matches what was applied: ``migrate``
+    exits 2 (the installed package is wrong, not the database), naming the distribution
+    and the file."""
+
+    def __init__(self, migration: _Migration) -> None:
+        SchemaBehind.__init__(
+            self,
+            f"migration {migration.filename} was changed after it was applied (checksum "
+            "differs from ingest_handler_migrations): restore the file in the package and "
+            "put the change in a new migration",
+        )
+        self.migration = migration
+
+
 class MigrationBlocked(Exception):
     """A migration did not get its locks within ``lock_timeout`` in any of its attempts
     (a long transaction held its table): nothing of it was applied."""

@@ -6,6 +6,11 @@ is what they are made of, usable without pytest too:
 - ``postgres_server()``: a throwaway PostgreSQL cluster (``initdb``) on a free loopback port,
   or ``ExistingPostgres(url)``: a server you already run (a CI service container, Docker on
   macOS), which the pytest fixtures use when ``INGEST_TEST_DATABASE_URL`` is set;
+- ``create_template(pg, name, extra_sql)``: the migrated template database: sqs-ingest's
+  migrations, then every installed handler package's (entry points ``sqs_ingest.migrations``,
+  as ``sqs-ingest migrate`` applies them), then ``extra_sql``;
+- ``handler_migrations(package)``: the SQL of a handler package's ``migrations/`` folder, for
+  ``extra_sql`` (the ``ingest_schema_sql`` fixture) while the package is not installed;
 - ``message(type, payload)``: a message body as a producer would send it;
 - ``Runner(dsn).run(bodies)``: bodies through receive -> parse -> claim -> apply -> complete
   -> ack, with the real ``Store`` on that database and an in-memory queue
@@ -48,7 +53,9 @@ __all__ = [
     "Postgres",
     "Runner",
     "check_lands_once",
+    "create_template",
     "free_port",
+    "handler_migrations",
     "message",
     "postgres_server",
 ]
@@ -166,8 +173,10 @@ def postgres_server() -> Iterator[Postgres]:
 
 async def create_template(pg: Postgres | ExistingPostgres, name: str,
                           extra_sql: Sequence[str] = ()) -> None:
-    """Create database ``name`` on ``pg``, migrated, with ``extra_sql`` run in it: the
-    template each test's database is copied from (``CREATE DATABASE … TEMPLATE name``)."""
+    """Create database ``name`` on ``pg``, migrated (sqs-ingest's migrations, then those of
+    every installed handler package, as ``sqs-ingest migrate`` applies them), with
+    ``extra_sql`` run in it: the template each test's database is copied from
+    (``CREATE DATABASE … TEMPLATE name``)."""
     from service.migrate import migrate  # the runner pulls in the CLI's dependencies
 
     conn = await asyncpg.connect(pg.dsn())
@@ -183,6 +192,22 @@ async def create_template(pg: Postgres | ExistingPostgres, name: str,
                 await conn.execute(sql)
         finally:
             await conn.close()
+
+
+def handler_migrations(package: str) -> list[str]:
+    """The SQL of ``package``'s ``migrations/NNN_name.sql``, in order, for ``extra_sql`` (the
+    ``ingest_schema_sql`` fixture) while the package is importable but not installed (once it
+    is installed, ``create_template`` applies its migrations itself: do not list them twice).
+    A ``-- sqs-ingest: no-transaction`` file comes as its statements, one item each."""
+    import importlib.resources
+
+    from service.migrate import load_migrations, statements
+
+    folder = Path(str(importlib.resources.files(package) / "migrations"))
+    sql: list[str] = []
+    for mig in load_migrations(folder):
+        sql += [mig.sql] if mig.transactional else statements(mig.sql)
+    return sql
 
 
 @dataclass(frozen=True)

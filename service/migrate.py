@@ -13,12 +13,22 @@ it, and the migration is rolled back and tried again after a backoff, a bounded 
 of times. A file whose first line is ``-- sqs-ingest: no-transaction`` runs outside a
 transaction, one statement at a time, for ``CREATE INDEX CONCURRENTLY``; an INVALID
 index that a failed concurrent build left behind is dropped before the build is retried.
+
+Handler packages bring their own tables (SPEC §7 "handler migrations"): a distribution
+declaring an entry point in the group ``sqs_ingest.migrations`` names a package whose
+``migrations/`` folder holds ``NNN_name.sql``. They are applied after the core's, under the
+same lock, lock_timeout and checksums, recorded per distribution in
+``ingest_handler_migrations`` with the tables each file created (``sqs-ingest grants`` grants
+those).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import importlib.metadata
+import importlib.resources
 import random
 import re
 from collections.abc import Awaitable, Callable
@@ -29,9 +39,16 @@ from pathlib import Path
 import asyncpg
 import structlog
 
-from service.errors import MigrationBlocked, MigrationChanged, SchemaBehind
+from service.errors import (
+    ConfigError,
+    HandlerMigrationChanged,
+    MigrationBlocked,
+    MigrationChanged,
+    SchemaBehind,
+)
 
-__all__ = ["MigrationBlocked", "MigrationChanged", "SchemaBehind", "check_schema", "migrate"]
+__all__ = ["HandlerMigrationChanged", "MigrationBlocked", "MigrationChanged", "SchemaBehind",
+           "check_schema", "migrate"]
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +86,29 @@ CREATE TABLE IF NOT EXISTS ingest_schema_migrations (
 )
 """
 
+#: The entry-point group of handler packages' migrations (SPEC §7).
+ENTRY_POINT_GROUP = "sqs_ingest.migrations"
+
+HANDLER_TABLE = """
+CREATE TABLE IF NOT EXISTS ingest_handler_migrations (
+    distribution    text NOT NULL,
+    version         integer NOT NULL,
+    name            text NOT NULL,
+    checksum        text NOT NULL,
+    created_tables  text[] NOT NULL DEFAULT '{}',
+    applied_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (distribution, version)
+)
+"""
+
+# Every ordinary and partitioned table outside the system schemas, schema-qualified.
+_TABLES = """
+SELECT format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+  AND n.nspname NOT LIKE 'pg\\_toast%' AND n.nspname NOT LIKE 'pg\\_temp\\_%'
+"""
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -85,8 +125,58 @@ class Migration:
         return f"{self.version:03d}_{self.name}.sql"
 
     @property
+    def label(self) -> str:
+        return f"{self.version:03d}_{self.name}"
+
+    @property
     def transactional(self) -> bool:
         return self.sql.split("\n", 1)[0].strip() != NO_TRANSACTION
+
+
+@dataclass(frozen=True)
+class HandlerMigration(Migration):
+    """A migration of a handler package, recorded under its distribution's name."""
+
+    distribution: str = ""
+
+    @property
+    def filename(self) -> str:
+        return f"{self.distribution}: migrations/{super().filename}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.distribution}/{super().label}"
+
+
+@dataclass(frozen=True)
+class HandlerPackage:
+    distribution: str
+    migrations: list[HandlerMigration]
+
+
+def handler_packages() -> list[HandlerPackage]:
+    """Every installed distribution's ``sqs_ingest.migrations`` entry points, by name; a
+    package that cannot be found or has no ``migrations/`` folder is bad configuration."""
+    found: dict[str, list[HandlerMigration]] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else ep.name
+        try:
+            directory = Path(str(importlib.resources.files(ep.value) / "migrations"))
+        except Exception as exc:  # the package's own import failed, or it is not installed
+            raise ConfigError(f"handler package {dist}: entry point "
+                              f"{ENTRY_POINT_GROUP} {ep.value!r} cannot be imported: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if not directory.is_dir():
+            raise ConfigError(f"handler package {dist}: {ep.value!r} "
+                              "has no migrations/ folder")
+        try:
+            migs = load_migrations(directory)
+        except ValueError as exc:
+            raise ConfigError(f"handler package {dist}: {exc}") from exc
+        found.setdefault(dist, []).extend(
+            HandlerMigration(m.version, m.name, m.sql, distribution=dist) for m in migs)
+    return [HandlerPackage(d, sorted(m, key=lambda x: x.version))
+            for d, m in sorted(found.items())]
 
 
 def statements(sql: str) -> list[str]:
@@ -136,11 +226,25 @@ async def applied_checksums(conn: asyncpg.Connection) -> dict[int, str]:
     return {r["version"]: r["checksum"] for r in rows}
 
 
+async def handler_checksums(conn: asyncpg.Connection) -> dict[str, dict[int, str]]:
+    """Distribution → version → checksum of every handler migration recorded as applied."""
+    exists = await conn.fetchval("SELECT to_regclass('ingest_handler_migrations') IS NOT NULL")
+    if not exists:
+        return {}
+    done: dict[str, dict[int, str]] = {}
+    for r in await conn.fetch(
+            "SELECT distribution, version, checksum FROM ingest_handler_migrations"):
+        done.setdefault(r["distribution"], {})[r["version"]] = r["checksum"]
+    return done
+
+
 def _check_unchanged(migrations: list[Migration], applied: dict[int, str]) -> None:
     """Raise MigrationChanged for the first applied migration whose file was edited since."""
     for mig in migrations:
         recorded = applied.get(mig.version)
         if recorded is not None and recorded != mig.checksum:
+            if isinstance(mig, HandlerMigration):
+                raise HandlerMigrationChanged(mig)
             raise MigrationChanged(mig)
 
 
@@ -162,25 +266,47 @@ async def migrate(
             await conn.execute(VERSION_TABLE)
             done = await applied_checksums(conn)
             migrations = load_migrations()
+            packages = handler_packages()
             _check_unchanged(migrations, done)  # before applying anything on top of it
-            for mig in migrations:
-                if mig.version in done:
+            handlers_done: dict[str, dict[int, str]] = {}
+            if packages:
+                await conn.execute(HANDLER_TABLE)
+                handlers_done = await handler_checksums(conn)
+                for pkg in packages:
+                    _check_unchanged(list(pkg.migrations),
+                                     handlers_done.get(pkg.distribution, {}))
+            pending: list[tuple[Migration, dict[int, str]]] = [(m, done) for m in migrations]
+            for pkg in packages:  # after the core's: they may refer to its tables
+                recorded = handlers_done.get(pkg.distribution, {})
+                pending += [(m, recorded) for m in pkg.migrations]
+            for mig, recorded in pending:
+                if mig.version in recorded:
                     continue
-                if mig.transactional:
-                    await _retrying(mig, partial(_in_transaction, conn, mig), lock_timeout,
-                                    attempts)
-                else:
-                    for stmt in statements(mig.sql):
-                        await _retrying(mig, partial(_concurrently, conn, stmt), lock_timeout,
-                                        attempts)
-                    await _record(conn, mig)
-                log.info("migration_applied", version=mig.version, name=mig.name)
+                await _apply(conn, mig, lock_timeout, attempts)
+                log.info("migration_applied", version=mig.version, name=mig.name,
+                         **({"distribution": mig.distribution}
+                            if isinstance(mig, HandlerMigration) else {}))
                 applied.append(mig)
         finally:
             await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
     finally:
         await conn.close()
     return applied
+
+
+async def _apply(conn: asyncpg.Connection, mig: Migration, lock_timeout: float,
+                 attempts: int) -> None:
+    if mig.transactional:
+        await _retrying(mig, partial(_in_transaction, conn, mig), lock_timeout, attempts)
+        return
+    before = await _table_names(conn)
+    for stmt in statements(mig.sql):
+        await _retrying(mig, partial(_concurrently, conn, stmt), lock_timeout, attempts)
+    await _record(conn, mig, before)
+
+
+async def _table_names(conn: asyncpg.Connection) -> set[str]:
+    return {r[0] for r in await conn.fetch(_TABLES)}
 
 
 async def _retrying(
@@ -204,11 +330,21 @@ async def _retrying(
 
 async def _in_transaction(conn: asyncpg.Connection, mig: Migration) -> None:
     async with conn.transaction():
+        # Taken in the migration's transaction: the tables it created are exactly the new
+        # names after it (a rename counts as created too, under its new name).
+        before = await _table_names(conn) if isinstance(mig, HandlerMigration) else set()
         await conn.execute(mig.sql)
-        await _record(conn, mig)
+        await _record(conn, mig, before)
 
 
-async def _record(conn: asyncpg.Connection, mig: Migration) -> None:
+async def _record(conn: asyncpg.Connection, mig: Migration, before: set[str]) -> None:
+    if isinstance(mig, HandlerMigration):
+        created = sorted(await _table_names(conn) - before)
+        await conn.execute(
+            "INSERT INTO ingest_handler_migrations (distribution, version, name, checksum,"
+            " created_tables) VALUES ($1, $2, $3, $4, $5)",
+            mig.distribution, mig.version, mig.name, mig.checksum, created)
+        return
     await conn.execute(
         "INSERT INTO ingest_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
         mig.version, mig.name, mig.checksum,
@@ -255,3 +391,22 @@ async def check_schema(conn: asyncpg.Connection) -> None:
             f"database schema is behind (missing migrations {missing}): "
             "run `sqs-ingest migrate` first"
         )
+    packages = installed_packages()
+    if not packages:
+        return
+    handlers_done = await handler_checksums(conn)
+    for pkg in packages:
+        recorded = handlers_done.get(pkg.distribution, {})
+        _check_unchanged(list(pkg.migrations), recorded)
+        pending = [m.version for m in pkg.migrations if m.version not in recorded]
+        if pending:
+            raise SchemaBehind(
+                f"database schema is behind (handler package {pkg.distribution} is missing "
+                f"migrations {pending}): run `sqs-ingest migrate` first"
+            )
+
+
+@functools.cache
+def installed_packages() -> tuple[HandlerPackage, ...]:
+    """The handler packages, read once per process (/readyz asks on every probe)."""
+    return tuple(handler_packages())

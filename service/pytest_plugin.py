@@ -2,7 +2,10 @@
 installed). They test a handler through the daemon's real batch path (service.kit):
 
 - ``ingest_schema_sql`` — override it to return your tables' SQL (list of statements or
-  files' text); it is applied once, after sqs-ingest's own migrations, to the template;
+  files' text); it is applied once, after sqs-ingest's own migrations, to the template.
+  An installed handler package's migrations (entry points ``sqs_ingest.migrations``) are
+  applied there already; ``service.kit.handler_migrations("your_package")`` reads them from a
+  package that is importable but not installed;
 - ``ingest_postgres`` (session) — a throwaway PostgreSQL (``initdb``) with that migrated
   template, or, when ``INGEST_TEST_DATABASE_URL`` is set, the server at that URL (a CI
   service container, Docker on macOS: the role needs CREATEDB; the kit's databases are

@@ -131,6 +131,9 @@ REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM sqs_ingest_app, sqs_ingest_rec
 --   reconciliation_*   SELECT only (`prune --dry-run` counts): the checker's evidence is
 --                      written and pruned by the reconcile role alone
 --   ingest_schema_migrations  SELECT only: the schema check (/readyz, start-up)
+--   ingest_handler_migrations SELECT only: the same for handler packages' migrations
+-- (`sqs-ingest grants --role ROLE` prints these app grants, from the same list, plus the
+-- handler packages' own tables.)
 -- The reconcile role reads modifications, entities, entity_checkpoints (read-only
 -- sessions), replaces its date's results (DELETE + INSERT on reconciliation_runs; the
 -- discrepancies cascade, run by PostgreSQL as the table owner; INSERT by COPY) and
@@ -152,6 +155,7 @@ BEGIN
         ('sqs_ingest_app', 'reconciliation_runs',          'SELECT'),
         ('sqs_ingest_app', 'reconciliation_discrepancies', 'SELECT'),
         ('sqs_ingest_app', 'ingest_schema_migrations',     'SELECT'),
+        ('sqs_ingest_app', 'ingest_handler_migrations',    'SELECT'),
         ('sqs_ingest_reconcile', 'modifications',                'SELECT'),
         ('sqs_ingest_reconcile', 'entities',                     'SELECT'),
         ('sqs_ingest_reconcile', 'entity_checkpoints',           'SELECT'),

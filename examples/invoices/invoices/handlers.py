@@ -1,7 +1,8 @@
 """``invoice.created``: one row in ``invoices`` per invoice, written in the transaction that
 completes the request (so it lands once), with a batch form (one statement per batch).
 
-Load it in the daemon with ``INGEST_HANDLERS=invoices.handlers``.
+The daemon loads it through the package's entry point (``sqs_ingest.handlers`` in
+pyproject.toml) once the package is installed.
 """
 
 from __future__ import annotations
