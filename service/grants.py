@@ -20,8 +20,8 @@ APP_GRANTS: tuple[tuple[str, str], ...] = (
     ("outbox", "SELECT, INSERT, UPDATE, DELETE"),
     ("workers", "SELECT, INSERT, UPDATE, DELETE"),
     ("payload_refusals", "SELECT, INSERT, UPDATE, DELETE"),
-    ("reconciliation_runs", "SELECT, UPDATE, DELETE"),
-    ("reconciliation_discrepancies", "SELECT, UPDATE, DELETE"),
+    ("reconciliation_runs", "SELECT"),
+    ("reconciliation_discrepancies", "SELECT"),
     ("ingest_schema_migrations", "SELECT"),
     ("ingest_handler_migrations", "SELECT"),
 )
