@@ -206,31 +206,35 @@ def build_discrepancies(
                 source=db.label,
             )
         )
-    for peer in opts.peers:
-        only = buckets[peer.label]
-        # A few buckets: one scan each side returns their rows.
-        history = extents[opts.primary.label].history, extents[peer.label].history
-        parts = (
-            io.read_partitions(max(io.span(h) for h in history), opts.partitions)
-            if only is None
-            else 1
-        )
-        # Without a time bound: a request of the window the other side received late
-        # (or early) is looked up by request_id over all it holds.
-        sides = [
-            io.read_compared(spark, db, parts, extents[db.label].history, only)
-            for db in (opts.primary, peer)
-        ]
-        frames.append(
-            transforms.compare_databases(
-                *sides,
-                window=window,
-                inflight_cutoff=cutoff,
-                peer_label=peer.label,
-                checked_from=opts.horizon(as_of),
-            )
-        )
+    frames += [_compared(spark, opts, peer, extents, buckets[peer.label], window, cutoff,
+                         as_of) for peer in opts.peers]
     return transforms.union_discrepancies(frames)
+
+
+def _compared(spark: SparkSession, opts: JobOptions, peer: Any, extents: dict[str, io.Extent],
+              only: frozenset[int] | None, window: Any, cutoff: datetime,
+              as_of: datetime) -> DataFrame:
+    """The cross-database checks of the primary against ``peer``."""
+    # A few buckets: one scan each side returns their rows.
+    history = extents[opts.primary.label].history, extents[peer.label].history
+    parts = (
+        io.read_partitions(max(io.span(h) for h in history), opts.partitions)
+        if only is None
+        else 1
+    )
+    # Without a time bound: a request of the window the other side received late
+    # (or early) is looked up by request_id over all it holds.
+    sides = [
+        io.read_compared(spark, db, parts, extents[db.label].history, only)
+        for db in (opts.primary, peer)
+    ]
+    return transforms.compare_databases(
+        *sides,
+        window=window,
+        inflight_cutoff=cutoff,
+        peer_label=peer.label,
+        checked_from=opts.horizon(as_of),
+    )
 
 
 def shuffle_partitions(opts: JobOptions, extents: dict[str, io.Extent]) -> int:

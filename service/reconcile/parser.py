@@ -81,14 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="file with one peer database URL per line (# comments); default: "
         "$INGEST_RECONCILE_PEER_URLS_FILE, or $INGEST_RECONCILE_PEER_URLS (one per line)",
     )
-    p.add_argument("--lookback-hours", type=_positive(float), default=24.0)
-    p.add_argument("--stuck-after", type=_positive(float), default=60.0, help="minutes")
-    p.add_argument(
-        "--skew-minutes",
-        type=_positive(float),
-        default=60.0,
-        help="margin read around the window when looking a request up in the other database",
-    )
+    _window_arguments(p)
     p.add_argument(
         "--retention-days",
         type=_positive(float),
@@ -113,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-format", choices=["json", "console"], default=None)
     return p
+
+
+def _window_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookback-hours", type=_positive(float), default=24.0)
+    p.add_argument("--stuck-after", type=_positive(float), default=60.0, help="minutes")
+    p.add_argument(
+        "--skew-minutes",
+        type=_positive(float),
+        default=60.0,
+        help="margin read around the window when looking a request up in the other database",
+    )
 
 
 def _sidecar_arguments(p: argparse.ArgumentParser) -> None:

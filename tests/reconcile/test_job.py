@@ -481,7 +481,7 @@ async def test_a_lock_dropped_mid_run_is_taken_again_before_writing(
     original = job.run
     rival: list[asyncpg.Connection] = []
 
-    def run_losing_the_lock(spark, opts, as_of):  # type: ignore[no-untyped-def]
+    def run_losing_the_lock(spark, opts, as_of):
         async def drop() -> None:
             assert await _lock_holders(database_url, terminate=True) == 1
             if rival:
