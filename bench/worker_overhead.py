@@ -26,7 +26,7 @@ import asyncio, collections, json, logging, sys, time, uuid
 import structlog
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
-from service.messages import Received
+from service.core.messages import Received
 from service.settings import Settings
 from service.store import ApplyResult, ClaimResult
 from service.worker import Worker

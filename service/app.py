@@ -13,6 +13,8 @@ import structlog
 from aiobotocore.session import get_session
 
 from service import diagnose, metrics
+from service.core.retention import RetentionRefused, check_retention, queue_retention
+from service.core.retry import Backoff
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.identity import ecs_worker_name
@@ -20,8 +22,6 @@ from service.migrate import check_schema
 from service.payloads import S3Payloads, s3_client
 from service.pgerrors import CONNECTION_ERRORS
 from service.results import Publisher
-from service.retention import RetentionRefused, check_retention, queue_retention
-from service.retry import Backoff
 from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings
 from service.sinks import results_sink
 from service.sqs import SqsQueue, sqs_client

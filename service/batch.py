@@ -7,7 +7,7 @@ Every message ends in exactly one of: acked (its outcome is committed) or releas
 (visibility set so it comes back). Nothing is acked before the commit that made its
 outcome durable. The visibility heartbeat (``service.visibility``) keeps a slow batch
 hidden meanwhile; a part that fails on one message is split (``service.bisection``); the
-claims of batches in flight are counted in ``service.claims`` for the own-leak GC.
+claims of batches in flight are counted in ``service.core.claims`` for the own-leak GC.
 """
 
 from __future__ import annotations
@@ -20,17 +20,10 @@ import structlog
 
 from service import metrics, tracing
 from service.bisection import Bisection
-from service.budget import MemoryBudget
-from service.claims import ClaimsRegistry
-from service.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
-from service.dbhealth import DatabaseHealth
-from service.errors import AckFailed, DatabaseUnavailable, TransientError
-from service.executor import InFlight, PlanExecutor
-from service.handlers import Registry
-from service.handlers.invoke import Invoker
-from service.messages import Message, Received
-from service.payloads import S3Payloads
-from service.plan import (
+from service.core.budget import MemoryBudget
+from service.core.claims import ClaimsRegistry
+from service.core.messages import Message, Received
+from service.core.plan import (
     Plan,
     classify,
     describe,
@@ -38,9 +31,16 @@ from service.plan import (
     settle_failures,
     triage,
 )
+from service.core.retry import ReceiveLimit, RetryPolicy
+from service.core.seams import QueueSeam, StoreSeam
+from service.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
+from service.dbhealth import DatabaseHealth
+from service.errors import AckFailed, DatabaseUnavailable, TransientError
+from service.executor import InFlight, PlanExecutor
+from service.handlers import Registry
+from service.handlers.invoke import Invoker
+from service.payloads import S3Payloads
 from service.resolve import resolve_batch
-from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import QueueSeam, StoreSeam
 from service.visibility import VisibilityHeartbeat
 
 log = structlog.get_logger("sqs_ingest.worker")

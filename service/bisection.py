@@ -9,15 +9,15 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from service.claims import ClaimsRegistry
+from service.core.claims import ClaimsRegistry
+from service.core.labels import INVALID_TYPE_LABEL
+from service.core.messages import Message, Received, parse
+from service.core.plan import Plan, describe
+from service.core.retry import ReceiveLimit, RetryPolicy
+from service.core.seams import DeadLetter, StoreSeam
 from service.errors import AckFailed, DataRejected, TransientError
 from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
-from service.labels import INVALID_TYPE_LABEL
-from service.messages import Message, Received, parse
-from service.plan import Plan, describe
-from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import DeadLetter, StoreSeam
 from service.visibility import VisibilityHeartbeat
 
 log = structlog.get_logger("sqs_ingest.worker")

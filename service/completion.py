@@ -40,10 +40,10 @@ from typing import Any, Protocol
 
 import orjson
 
+from service.core.limits import json_holds_nul
+from service.core.messages import Message
+from service.core.seams import ApplyResult, Batching, HandlerCall
 from service.errors import DatabaseUnavailable
-from service.limits import json_holds_nul
-from service.messages import Message
-from service.seams import ApplyResult, Batching, HandlerCall
 
 #: Conflicts (deadlock, serialization, lock not available) rerun as is this many times;
 #: after that, one by one, and a conflict is the failure of the message that hit it.

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from service import metrics
+from service.core.messages import Message, Received
+from service.core.plan import Plan
+from service.core.retry import ReceiveLimit
+from service.core.seams import DeadLetter, QueueSeam, StoreSeam
 from service.errors import DB_ERRORS
-from service.messages import Message, Received
-from service.plan import Plan
-from service.retry import ReceiveLimit
-from service.seams import DeadLetter, QueueSeam, StoreSeam
 
 log = structlog.get_logger("sqs_ingest.worker")
 

@@ -35,7 +35,7 @@ from typing import Any
 import asyncpg
 from pydantic import BaseModel
 
-from service.handlers.registry import HandlerSpec, Registry, default_registry
+from service.core.registry import HandlerSpec, Registry, default_registry
 
 __all__ = [
     "FAILING_TYPE",
@@ -166,9 +166,9 @@ class Runner:
     async def run(self, bodies: Sequence[str]) -> list[Outcome]:
         """One receive per ten bodies, in order (one batch, as SQS would hand them out)."""
         from service.batch import BatchProcessor
+        from service.core.retry import ReceiveLimit, RetryPolicy
         from service.dbhealth import DatabaseHealth
         from service.handlers import load_reference_handlers
-        from service.retry import ReceiveLimit, RetryPolicy
         from service.store import Store, create_pool
         from service.testing import FakeQueue
 

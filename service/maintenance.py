@@ -12,13 +12,14 @@ from datetime import UTC, datetime
 
 import structlog
 
-from service import metrics, prune, retention
+from service import metrics, prune
+from service.core import retention
+from service.core.messages import Received
+from service.core.retry import ReceiveLimit
+from service.core.seams import QueueSeam, StoreSeam
 from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, RetentionRefused, TransientError
-from service.messages import Received
 from service.results import Publisher
-from service.retry import ReceiveLimit
-from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 
 log = structlog.get_logger("sqs_ingest.worker")
@@ -41,7 +42,7 @@ class Maintenance:
         self.queue = queue
         self.store = store
         self.health = health
-        self.holding = holding  # request_ids claimed by batches in flight (service.claims)
+        self.holding = holding  # request_ids claimed by batches in flight (service.core.claims)
         self.started_at = started_at
         self.publisher = publisher
         # The queue's RedrivePolicy, refreshed with the gauges (service.redrive).

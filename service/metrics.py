@@ -17,7 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from service import __version__, labels
+from service import __version__
+from service.core import labels
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 # process_start_time_seconds etc.: restarts (exit 3 after an ack failure) are alertable.

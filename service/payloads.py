@@ -1,7 +1,7 @@
 """Large payloads offloaded to S3 by the AWS extended clients: S3 I/O only — fetching what a
-pointer (``service.pointers``) points to, and deleting it after the request is committed
+pointer (``service.core.pointers``) points to, and deleting it after the request is committed
 and acked (opt-in). What an unread payload means for its message is decided in
-``service.plan``; the batch path calls both (``service.resolve``).
+``service.core.plan``; the batch path calls both (``service.resolve``).
 
 Memory: a payload is read only after GetObject's ``Content-Length`` is checked against
 ``INGEST_MAX_PAYLOAD_BYTES``, into one buffer of exactly that size (chunks are copied in and
@@ -22,10 +22,18 @@ from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import metrics
-from service.budget import MemoryBudget
-from service.labels import S3ErrorKind
-from service.messages import Received
-from service.pointers import MARK, Fetched, Pointer, Refused, Resolution, Unreachable, find_pointer
+from service.core.budget import MemoryBudget
+from service.core.labels import S3ErrorKind
+from service.core.messages import Received
+from service.core.pointers import (
+    MARK,
+    Fetched,
+    Pointer,
+    Refused,
+    Resolution,
+    Unreachable,
+    find_pointer,
+)
 from service.s3access import BUCKETS_VARIABLE, AllowList
 from service.useragent import user_agent
 

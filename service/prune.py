@@ -30,11 +30,11 @@ What goes, and when (each retention is a setting, README "Retention"):
   again) still has every other table pruned before the pass fails on it.
 
 Exactly-once depends on the first one: a request deleted while SQS can still deliver it
-again would be applied again. ``service.retention.check_retention`` refuses any retention
+again would be applied again. ``service.core.retention.check_retention`` refuses any retention
 that does not exceed the queue's ``MessageRetentionPeriod`` (the daemon at start, before
 each pass, and ``sqs-ingest prune``: ``service.prune_command``).
 
-This module is the data access of a pass (asyncpg); the rule is ``service.retention``.
+This module is the data access of a pass (asyncpg); the rule is ``service.core.retention``.
 
 How: batches of ``INGEST_PRUNE_BATCH_SIZE`` rows, each one statement in its own transaction,
 picked oldest first by an index (migration 004; 006's for ``payload_refusals``) with ``FOR
@@ -61,9 +61,9 @@ import asyncpg
 import structlog
 
 from service import metrics
-from service.labels import PRUNED_TABLES
+from service.core.labels import PRUNED_TABLES
+from service.core.retention import DAY
 from service.pgerrors import translate
-from service.retention import DAY
 from service.settings import Settings
 from service.sql import queries
 

@@ -9,8 +9,13 @@ import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import prune
+from service.core.retention import (
+    RetentionRefused,
+    check_retention,
+    queue_retention,
+    safe_without_queue,
+)
 from service.errors import DB_ERRORS, TransientError, driver_error
-from service.retention import RetentionRefused, check_retention, queue_retention, safe_without_queue
 from service.secrets import safe
 from service.settings import Settings
 from service.sqs import SqsQueue, sqs_client

@@ -2,7 +2,7 @@
 ``RedrivePolicy``) back to the source queue with ``StartMessageMoveTask`` and reports
 progress.
 
-What the policy means for the daemon lives in ``service.retry`` (``RedrivePolicy``,
+What the policy means for the daemon lives in ``service.core.retry`` (``RedrivePolicy``,
 ``ReceiveLimit``):
 
 - ``ReceiveLimit``: SQS moves a message to the policy's dead-letter queue on the receive
@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.retry import RedrivePolicy
+from service.core.retry import RedrivePolicy
 from service.sqs import sqs_client
 
 log = structlog.get_logger("sqs_ingest.redrive")

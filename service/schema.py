@@ -2,7 +2,7 @@
 list of registered types (`sqs-ingest handlers`), both read from the handler registry.
 
 The schema is one document a producer validates a body against before sending it: the
-envelope (service.messages.parse's rules that a schema can express) and, per registered
+envelope (service.core.messages.parse's rules that a schema can express) and, per registered
 ``type``, that type's pydantic payload model. A body it rejects would be dead-lettered; a body
 it accepts passes the daemon's validation (the models are the same objects). The daemon's
 pydantic models also coerce in lax mode (e.g. ``"5"`` for an ``int``); the schema describes the
@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from service.handlers.registry import Registry
-from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
+from service.core.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
+from service.core.registry import Registry
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 #: parse() refuses a request_id or type containing U+0000 (PostgreSQL text cannot hold it).
@@ -24,7 +24,7 @@ _NO_NUL = "^[^\x00]*$"
 
 
 def envelope_schema(types: list[str]) -> dict[str, Any]:
-    """The envelope's own rules (service.messages.parse), ``type`` limited to ``types``."""
+    """The envelope's own rules (service.core.messages.parse), ``type`` limited to ``types``."""
     return {
         "type": "object",
         "required": ["request_id", "type", "payload"],

@@ -17,8 +17,8 @@ from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service import metrics
+from service.core.seams import OutboxRow, ResultsSink
 from service.errors import TransientError
-from service.seams import OutboxRow, ResultsSink
 from service.settings import Settings
 from service.useragent import user_agent
 

@@ -15,11 +15,9 @@ import asyncpg
 import orjson
 
 from service import completion
-from service.limits import storable
-from service.messages import Message
-from service.migrate import check_schema
-from service.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, translate, unavailable
-from service.seams import (
+from service.core.limits import storable
+from service.core.messages import Message
+from service.core.seams import (
     ApplyResult,
     BatchCall,
     Batching,
@@ -33,6 +31,8 @@ from service.seams import (
     SendRows,
     StoreSeam,
 )
+from service.migrate import check_schema
+from service.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, translate, unavailable
 from service.sql import queries
 
 __all__ = [
@@ -134,7 +134,7 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
 
 
 class PgOutbox:
-    """The results outbox's side of PostgreSQL (``service.seams.OutboxSeam``): what the
+    """The results outbox's side of PostgreSQL (``service.core.seams.OutboxSeam``): what the
     publisher (``service.results``) claims, sends and marks. ``Store`` is one, over the
     connections it is given for it."""
 

@@ -1,4 +1,4 @@
-"""In-memory twins of the two seams (``service.seams``), for unit tests of the worker.
+"""In-memory twins of the two seams (``service.core.seams``), for unit tests of the worker.
 
 ``FakeQueue`` keeps the SQS semantics that matter to the worker (visibility, receive
 counts, receipt handles, partial batch failures); ``FakeStore`` keeps the claim/complete/
@@ -20,9 +20,8 @@ from typing import Any
 import orjson
 
 from service import completion
-from service.errors import AckFailed, DatabaseUnavailable, SchemaBehind, TransientError
-from service.messages import Message, Received
-from service.seams import (
+from service.core.messages import Message, Received
+from service.core.seams import (
     ApplyResult,
     Batching,
     ClaimResult,
@@ -36,6 +35,7 @@ from service.seams import (
     SendRows,
     StoreSeam,
 )
+from service.errors import AckFailed, DatabaseUnavailable, SchemaBehind, TransientError
 
 
 @dataclass
@@ -436,7 +436,7 @@ class FakeStore(FakeOutbox):
 
 
 class FakeSink:
-    """An in-memory results destination (``service.seams.ResultsSink``): records what
+    """An in-memory results destination (``service.core.seams.ResultsSink``): records what
     it accepted; ``refuse`` makes every call fail, ``refuse_ids`` single entries."""
 
     def __init__(self, fifo: bool = False, max_message_bytes: int = 256 * 1024) -> None:

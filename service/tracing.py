@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 
 from service import __version__
-from service.messages import Message, Received
+from service.core.messages import Message, Received
 
 NOOP: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 TRACEPARENT = "traceparent"

@@ -15,17 +15,17 @@ import structlog
 
 from service import metrics
 from service.batch import EXIT_ACK_FAILED, BatchProcessor
-from service.budget import MemoryBudget
+from service.core.budget import MemoryBudget
+from service.core.labels import INVALID_TYPE_LABEL
+from service.core.messages import Received
+from service.core.retry import Backoff, ReceiveLimit, RetryPolicy, sleep_or_stop, wait_any
+from service.core.seams import QueueSeam, StoreSeam
 from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, TransientError
 from service.handlers import Registry
-from service.labels import INVALID_TYPE_LABEL
 from service.maintenance import Maintenance
-from service.messages import Received
 from service.payloads import S3Payloads
 from service.results import Publisher
-from service.retry import Backoff, ReceiveLimit, RetryPolicy, sleep_or_stop, wait_any
-from service.seams import QueueSeam, StoreSeam
 from service.settings import Settings
 
 log = structlog.get_logger("sqs_ingest.worker")

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from service.handlers.context import current_attributes, current_request_id, request_context
-from service.handlers.registry import (
+from service.core.registry import (
     HandlerSpec,
     Registry,
     batch_handler,
@@ -11,6 +10,7 @@ from service.handlers.registry import (
     handler,
     load_handler_modules,
 )
+from service.handlers.context import current_attributes, current_request_id, request_context
 
 
 def load_reference_handlers() -> None:

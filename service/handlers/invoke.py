@@ -9,10 +9,10 @@ from typing import Any
 import structlog
 
 from service import tracing
+from service.core.messages import Message
+from service.core.registry import Registry
+from service.core.seams import Batching
 from service.handlers.context import request_context
-from service.handlers.registry import Registry
-from service.messages import Message
-from service.seams import Batching
 
 
 class HandlerCancelled(Exception):

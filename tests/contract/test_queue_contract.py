@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import pytest
 
-from service.messages import Received
-from service.seams import QueueSeam
+from service.core.messages import Received
+from service.core.seams import QueueSeam
 from service.sqs import SqsQueue, sqs_client
 from service.testing import FakeQueue
 

@@ -14,9 +14,9 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
+from service.core.messages import Message, Received
+from service.core.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
 from service.errors import DatabaseError
-from service.messages import Message, Received
-from service.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
 from service.store import Store, create_pool
 from service.testing import FakeDatabase, FakeStore, FakeWorker
 from tests.conftest import fresh_database
@@ -30,7 +30,7 @@ class Note(BaseModel):
 def msg(rid: str, n: int = 1, mid: str | None = None, group: str | None = None,
         seq: int | None = None, type_: str = "note") -> Message:
     payload = {"n": n}
-    # Independent of service.messages.payload_hash: the sorted compact JSON, hashed here.
+    # Independent of service.core.messages.payload_hash: the sorted compact JSON, hashed here.
     digest = hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
     raw = Received(mid or f"m-{rid}-{n}", "rh", json.dumps(payload), 1, None, group,
                    sequence_number=seq)
@@ -614,8 +614,8 @@ async def test_a_lost_claim_blocks_nothing_on_a_standard_queue(backend: Backend)
 
 def offloaded(rid: str, key: str, attributes: dict[str, Any] | None = None) -> Message:
     """A message whose payload came from S3 (``key``), with message attributes."""
-    from service import attributes as attrs
-    from service.pointers import Pointer
+    from service.core import attributes as attrs
+    from service.core.pointers import Pointer
 
     m = msg(rid)
     m.pointer = Pointer("payloads", key)
@@ -667,8 +667,8 @@ async def test_attributes_with_nul_characters_and_binary_values_are_stored(
     """jsonb cannot hold U+0000: an attribute carrying one (an SNS envelope is whatever the
     producer wrote into the body; SQS's own checks vary by emulator) must not fail the
     batch's claim. Parsed from a real-shaped delivery, claimed, read back."""
+    from service.core.messages import parse
     from service.handlers import Registry
-    from service.messages import parse
 
     reg = Registry()
     reg.register("note", Note, ok)

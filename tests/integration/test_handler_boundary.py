@@ -15,9 +15,9 @@ import pytest
 from pydantic import BaseModel
 
 from service.batch import BatchProcessor
+from service.core.retry import ReceiveLimit, RetryPolicy
 from service.dbhealth import DatabaseHealth
 from service.handlers import Registry, current_request_id
-from service.retry import ReceiveLimit, RetryPolicy
 from service.store import Store, create_pool
 from service.testing import FakeQueue
 

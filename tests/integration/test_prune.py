@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from service import metrics
-from service.messages import Message, Received, payload_hash
+from service.core.messages import Message, Received, payload_hash
 from service.prune import PRUNE_LOCK_KEY, STEPS, TABLES, delete_batch, prune_once
 from service.settings import Settings
 from service.store import Q, Store, create_pool

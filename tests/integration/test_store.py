@@ -13,10 +13,10 @@ from typing import Any
 import asyncpg
 import pytest
 
+from service.core.messages import Message, Received, payload_hash
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
 from service.handlers.invoke import Invoker
-from service.messages import Message, Received, payload_hash
 from service.store import DeadLetter, Store, claim, create_pool
 
 
@@ -269,9 +269,9 @@ async def test_gc_skips_a_claim_being_completed(database_url: str, pool: asyncpg
 
 
 async def test_registry_entity_handlers_follow_the_version_rule(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    from service.core.messages import parse
+    from service.core.registry import default_registry
     from service.handlers import load_reference_handlers
-    from service.handlers.registry import default_registry
-    from service.messages import parse
 
     load_reference_handlers()
     reg: Registry = default_registry
@@ -386,9 +386,9 @@ async def test_batch_form_runs_once_and_isolates_a_failure(pool: asyncpg.Pool, d
 async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
     import json
 
+    from service.core.messages import parse
+    from service.core.registry import default_registry as reg
     from service.handlers import load_reference_handlers
-    from service.handlers.registry import default_registry as reg
-    from service.messages import parse
 
     load_reference_handlers()
     a = await registered(pool, "w-a")
@@ -565,8 +565,8 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
     a row marked stopped is left stopped, and another worker's row is never touched."""
     from types import SimpleNamespace
 
+    from service.core.retry import ReceiveLimit
     from service.maintenance import Maintenance
-    from service.retry import ReceiveLimit
     from service.settings import Settings
 
     a = await registered(pool, "w-a")
@@ -787,8 +787,8 @@ async def test_driver_errors_leave_the_store_as_service_errors(
     """The store translates asyncpg's errors once, at the connection: a value the database
     refuses is DataRejected, any other failed statement DatabaseError, each with the
     driver's error as its cause (what service.diagnose and the dead letters read)."""
+    from service.core.plan import describe
     from service.errors import DatabaseError, DataRejected, PermanentError
-    from service.plan import describe
 
     a = await registered(pool, "w-a")
     small = msg("r1")

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from service import metrics
-from service.budget import MemoryBudget
+from service.core.budget import MemoryBudget
 from service.payloads import S3Payloads
 from service.settings import ConfigError, load_settings
 from service.testing import FakeQueue, FakeStore

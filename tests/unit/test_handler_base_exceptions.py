@@ -12,9 +12,9 @@ import pytest
 from pydantic import BaseModel
 
 from service.batch import BatchProcessor
+from service.core.retry import ReceiveLimit, RetryPolicy
 from service.dbhealth import DatabaseHealth
 from service.handlers import Registry
-from service.retry import ReceiveLimit, RetryPolicy
 from service.testing import FakeQueue, FakeStore
 
 

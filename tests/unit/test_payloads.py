@@ -14,14 +14,14 @@ from pydantic import BaseModel
 from structlog.testing import capture_logs
 
 from service import metrics
-from service.budget import MemoryBudget
+from service.core.budget import MemoryBudget
+from service.core.labels import ERROR_KINDS
+from service.core.messages import Message, Received, parse
+from service.core.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
+from service.core.retry import RetryPolicy
 from service.handlers import Registry, current_attributes
-from service.labels import ERROR_KINDS
-from service.messages import Message, Received, parse
 from service.payloads import LATER, S3Payloads
-from service.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
 from service.resolve import resolve_batch
-from service.retry import RetryPolicy
 from service.s3access import AllowList
 from service.testing import FakeQueue, FakeStore
 from service.worker import EXIT_ACK_FAILED, Worker

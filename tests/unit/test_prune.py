@@ -12,16 +12,16 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from service import metrics, prune
-from service.maintenance import Maintenance
-from service.prune import STEPS, TABLES
-from service.retention import (
+from service.core.retention import (
     SQS_MAX_RETENTION,
     RetentionRefused,
     check_retention,
     queue_retention,
     safe_without_queue,
 )
-from service.retry import ReceiveLimit
+from service.core.retry import ReceiveLimit
+from service.maintenance import Maintenance
+from service.prune import STEPS, TABLES
 from service.settings import ConfigError, Settings, load_settings
 from service.sql import queries
 

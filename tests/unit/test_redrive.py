@@ -17,13 +17,13 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from structlog.testing import capture_logs
 
 import service.redrive as redrive_module
+from service.core.messages import Received
+from service.core.plan import settle_failures
+from service.core.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.errors import DatabaseUnavailable
 from service.executor import PlanExecutor
 from service.handlers import Registry
-from service.messages import Received
-from service.plan import settle_failures
 from service.redrive import redrive
-from service.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.testing import FakeQueue, FakeStore, FakeWorker, Row
 from tests.unit.test_worker import Harness, Note, _hash, body, settings, until
 

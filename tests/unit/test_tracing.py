@@ -19,7 +19,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pydantic import BaseModel
 
 from service import tracing
-from service.messages import Message, Received
+from service.core.messages import Message, Received
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = "http://127.0.0.1:4566/000000000000/orders"
@@ -187,7 +187,7 @@ import sys
 from service import tracing
 import service.cli, service.batch, service.sqs, service.logs
 from service.handlers import invoke
-from service.messages import Received
+from service.core.messages import Received
 r = Received("m", "h", "{}")
 assert tracing.batch([r]) is tracing.NOOP and tracing.step("claim", [r]) is tracing.NOOP
 with tracing.batch([r]), tracing.step("claim", [r]):

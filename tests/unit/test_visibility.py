@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from service.core.messages import Received
 from service.executor import InFlight
-from service.messages import Received
 from service.settings import SQS_MAX_VISIBILITY
 from service.visibility import CAP_MARGIN, VisibilityHeartbeat, extension
 

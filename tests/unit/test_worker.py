@@ -306,7 +306,7 @@ async def test_stop_deadline_cancels_and_releases(registry: Registry) -> None:
 
 
 def _hash(payload: dict[str, Any]) -> str:
-    from service.messages import payload_hash
+    from service.core.messages import payload_hash
 
     return payload_hash(payload)
 
@@ -342,7 +342,7 @@ async def test_fifo_wait_behind_another_owner_gives_back_later_claims(
 
 
 async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, calls: list[int]) -> None:
-    from service.seams import DeadLetter
+    from service.core.seams import DeadLetter
 
     q = harness.queue
     mid = q.send(body("r9", 9))

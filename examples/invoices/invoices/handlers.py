@@ -11,8 +11,8 @@ from typing import Annotated, Any
 import asyncpg
 from pydantic import BaseModel, Field
 
+from service.core.limits import IndexedText, Int64
 from service.handlers import batch_handler, current_request_id, handler
-from service.limits import IndexedText, Int64
 
 
 class Invoice(BaseModel):

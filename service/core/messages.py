@@ -10,10 +10,10 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from service import attributes
-from service.handlers.registry import Registry
-from service.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS, json_holds_nul
-from service.pointers import Fetched, Pointer
+from service.core import attributes
+from service.core.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS, json_holds_nul
+from service.core.pointers import Fetched, Pointer
+from service.core.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class Message:
     payload_sha256: str
     sent_at: datetime | None = None
     failures: int = 0  # earlier handler failures, from the claim
-    # SQS + SNS-envelope message attributes (service.attributes), and their jsonb text.
+    # SQS + SNS-envelope message attributes (service.core.attributes), and their jsonb text.
     attributes: dict[str, dict[str, str]] | None = None
     attributes_json: str | None = None
     pointer: Pointer | None = None  # where the payload was read from (S3), if offloaded

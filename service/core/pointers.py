@@ -1,6 +1,6 @@
 """S3 payload pointers as values: the pointer a body (or the ``Message`` of an SNS envelope)
 carries, and what reading it gave (``Fetched``, ``Refused``, ``Unreachable``). No I/O here:
-``service.payloads`` reads S3, ``service.plan`` decides what an unread payload means.
+``service.payloads`` reads S3, ``service.core.plan`` decides what an unread payload means.
 
 The AWS extended clients (Java ``amazon-sqs-java-extended-client-lib`` /
 ``amazon-sns-java-extended-client-lib``, Python ``amazon-sqs-extended-client`` /
@@ -64,7 +64,7 @@ class Fetched:
 @dataclass(frozen=True, slots=True)
 class Refused:
     """A pointer that cannot be resolved, ever: a dead letter with ``reason`` (unless, for a
-    missing object, its request is already known: see ``service.plan.plan_unresolved``)."""
+    missing object, its request is already known: see ``service.core.plan.plan_unresolved``)."""
 
     pointer: Pointer | None
     # payload_object_missing | payload_too_large | invalid_envelope |

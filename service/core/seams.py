@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from service.limits import storable
-from service.messages import Message, Poison, Received
+from service.core.limits import storable
+from service.core.messages import Message, Poison, Received
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from service.limits import storable
+from service.core.limits import storable
 
 Attributes = dict[str, dict[str, str]]
 

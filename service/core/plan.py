@@ -12,14 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from service.core.labels import INVALID_TYPE_LABEL
+from service.core.limits import storable
+from service.core.messages import Message, Poison, Received, parse
+from service.core.pointers import Fetched, Pointer, Refused, Unreachable
+from service.core.registry import Registry
+from service.core.retry import ReceiveLimit, RetryPolicy
+from service.core.seams import ApplyResult, ClaimResult, DeadLetter, KnownPointer
 from service.errors import driver_error
-from service.handlers.registry import Registry
-from service.labels import INVALID_TYPE_LABEL
-from service.limits import storable
-from service.messages import Message, Poison, Received, parse
-from service.pointers import Fetched, Pointer, Refused, Unreachable
-from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import ApplyResult, ClaimResult, DeadLetter, KnownPointer
 
 log = structlog.get_logger("sqs_ingest.worker")
 _s3_log = structlog.get_logger("sqs_ingest.payloads")
