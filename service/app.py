@@ -12,13 +12,14 @@ import asyncpg
 import structlog
 from aiobotocore.session import get_session
 
-from service import diagnose, metrics
+from service import diagnose
 from service.core.retention import RetentionRefused, check_retention, queue_retention
 from service.core.retry import Backoff
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.identity import ecs_worker_name
 from service.migrate import check_schema
+from service.observe import metrics
 from service.payloads import S3Payloads, s3_client
 from service.pgerrors import CONNECTION_ERRORS
 from service.results import Publisher

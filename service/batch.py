@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import structlog
 
-from service import metrics, tracing
 from service.bisection import Bisection
 from service.core.budget import MemoryBudget
 from service.core.claims import ClaimsRegistry
@@ -39,6 +38,7 @@ from service.errors import AckFailed, DatabaseUnavailable, TransientError
 from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
+from service.observe import metrics, tracing
 from service.payloads import S3Payloads
 from service.resolve import resolve_batch
 from service.visibility import VisibilityHeartbeat

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sqs-ingest: {safe(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG
 
-    from service.logs import configure_logging
+    from service.observe.logs import configure_logging
 
     configure_logging(settings.log_format, settings.log_level, trace_ids=settings.tracing)
     if args.command == "run":
@@ -123,7 +123,8 @@ def _run(settings: Settings) -> int:
     if not settings.tracing:
         return diagnose.guard(settings, lambda: _run_async(
             app.run(settings, early_signals=_early_signals)))
-    from service import __version__, tracing
+    from service import __version__
+    from service.observe import tracing
 
     try:
         tracing.setup(settings.queue_url, __version__)

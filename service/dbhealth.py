@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from service import metrics
 from service.core.retry import Backoff
 from service.core.seams import StoreSeam
 from service.errors import DB_ERRORS, DatabaseUnavailable, SchemaBehind
+from service.observe import metrics
 
 log = structlog.get_logger("sqs_ingest.worker")
 

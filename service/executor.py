@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from service import metrics
 from service.core.messages import Message, Received
 from service.core.plan import Plan
 from service.core.retry import ReceiveLimit
 from service.core.seams import DeadLetter, QueueSeam, StoreSeam
 from service.errors import DB_ERRORS
+from service.observe import metrics
 
 log = structlog.get_logger("sqs_ingest.worker")
 

@@ -12,13 +12,14 @@ from datetime import UTC, datetime
 
 import structlog
 
-from service import metrics, prune
+from service import prune
 from service.core import retention
 from service.core.messages import Received
 from service.core.retry import ReceiveLimit
 from service.core.seams import QueueSeam, StoreSeam
 from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, RetentionRefused, TransientError
+from service.observe import metrics
 from service.results import Publisher
 from service.settings import Settings
 

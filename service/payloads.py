@@ -21,7 +21,6 @@ import structlog
 from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service import metrics
 from service.core.budget import MemoryBudget
 from service.core.labels import S3ErrorKind
 from service.core.messages import Received
@@ -34,6 +33,7 @@ from service.core.pointers import (
     Unreachable,
     find_pointer,
 )
+from service.observe import metrics
 from service.s3access import BUCKETS_VARIABLE, AllowList
 from service.useragent import user_agent
 

@@ -60,9 +60,9 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 
-from service import metrics
 from service.core.labels import PRUNED_TABLES
 from service.core.retention import DAY
+from service.observe import metrics
 from service.pgerrors import translate
 from service.settings import Settings
 from service.sql import queries

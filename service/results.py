@@ -20,10 +20,10 @@ from datetime import UTC
 import orjson
 import structlog
 
-from service import metrics
 from service.core.retry import Backoff, sleep_or_stop
 from service.core.seams import OutboxRow, OutboxSeam, ResultsSink
 from service.errors import DB_ERRORS, TransientError
+from service.observe import metrics
 from service.sqs import SEND_BATCH_MAX_BYTES, batched_by_size
 
 log = structlog.get_logger("sqs_ingest.results")

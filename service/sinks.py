@@ -16,9 +16,9 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service import metrics
 from service.core.seams import OutboxRow, ResultsSink
 from service.errors import TransientError
+from service.observe import metrics
 from service.settings import Settings
 from service.useragent import user_agent
 

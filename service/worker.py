@@ -13,7 +13,6 @@ from typing import Any
 
 import structlog
 
-from service import metrics
 from service.batch import EXIT_ACK_FAILED, BatchProcessor
 from service.core.budget import MemoryBudget
 from service.core.labels import INVALID_TYPE_LABEL
@@ -24,6 +23,7 @@ from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, TransientError
 from service.handlers import Registry
 from service.maintenance import Maintenance
+from service.observe import metrics
 from service.payloads import S3Payloads
 from service.results import Publisher
 from service.settings import Settings

@@ -1,6 +1,6 @@
 """Every value a metric label takes, in one leaf module (no imports from ``service``).
 
-``service.metrics`` creates each labelled series at 0 from these sets (``prime``); the
+``service.observe.metrics`` creates each labelled series at 0 from these sets (``prime``); the
 modules that count import the names they count with from here, so a new value is added
 once, where the dashboard, the alerts and the tests read it.
 """

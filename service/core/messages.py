@@ -28,7 +28,7 @@ class Received:
     group_id: str | None = None
     # FIFO: SQS's SequenceNumber (rises within a group; the order the daemon enforces).
     sequence_number: int | None = None
-    # Read only while tracing is on (service.tracing): the string message attributes
+    # Read only while tracing is on (service.observe.tracing): the string message attributes
     # (W3C traceparent/tracestate) and the AWSTraceHeader system attribute.
     attributes: dict[str, str] | None = field(default=None, hash=False, compare=False)
     trace_header: str | None = None

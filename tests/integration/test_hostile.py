@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service import metrics
+from service.observe import metrics
 from tests.integration.conftest import eventually, make_settings, running_worker
 
 

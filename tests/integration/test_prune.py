@@ -17,8 +17,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service import metrics
 from service.core.messages import Message, Received, payload_hash
+from service.observe import metrics
 from service.prune import PRUNE_LOCK_KEY, STEPS, TABLES, delete_batch, prune_once
 from service.settings import Settings
 from service.store import Q, Store, create_pool

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from service import metrics
 from service.core.budget import MemoryBudget
+from service.observe import metrics
 from service.payloads import S3Payloads
 from service.settings import ConfigError, load_settings
 from service.testing import FakeQueue, FakeStore

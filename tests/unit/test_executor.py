@@ -223,7 +223,7 @@ async def test_a_failed_ack_hands_nothing_back_and_resolves_nothing() -> None:
 
 
 def sample(name: str, **labels: str) -> float:
-    from service import metrics
+    from service.observe import metrics
 
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 

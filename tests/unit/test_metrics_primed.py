@@ -11,13 +11,13 @@ from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from service import metrics
 from service.core import labels
+from service.observe import metrics
 
 SERVICE = Path(metrics.__file__).parent
 TYPES = ["entity.upsert", "entity.delete", "x.custom"]
 
-#: metric attribute in service.metrics -> the label values it can take, per label, from
+#: metric attribute in service.observe.metrics -> the label values it can take, per label, from
 #: service.core.labels (messages_processed's type: the registered types + the invalid label).
 EXPECTED: dict[str, list[tuple[str, ...]]] = {
     "messages_processed": [(*TYPES, labels.INVALID_TYPE_LABEL), labels.OUTCOMES],

@@ -13,13 +13,13 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
-from service import metrics
 from service.core.budget import MemoryBudget
 from service.core.labels import ERROR_KINDS
 from service.core.messages import Message, Received, parse
 from service.core.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
 from service.core.retry import RetryPolicy
 from service.handlers import Registry, current_attributes
+from service.observe import metrics
 from service.payloads import LATER, S3Payloads
 from service.resolve import resolve_batch
 from service.s3access import AllowList

@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from service import metrics
 from service.core.seams import OutboxRow, ResultsSink
 from service.handlers import Registry
+from service.observe import metrics
 from service.results import MAX_BYTES, Publisher, bodies_of, result_body
 from service.settings import Settings
 from service.sinks import entry, fifo_id

@@ -19,7 +19,7 @@ EXT = "sqs_ingest_visibility_extensions_total"
 
 
 def sample(name: str) -> float:
-    from service import metrics
+    from service.observe import metrics
 
     return metrics.REGISTRY.get_sample_value(name) or 0.0
 

@@ -506,7 +506,7 @@ async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from service import tracing
+    from service.observe import tracing
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -539,7 +539,7 @@ async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
 @pytest.fixture
 def bug_in_batch_clean_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every batch fails in its clean-up (its duration metric), outside its own guard."""
-    from service import metrics
+    from service.observe import metrics
 
     def broken(value: float) -> None:
         raise RuntimeError("a bug in the batch's clean-up")
@@ -767,7 +767,7 @@ def test_every_fatal_is_logged_and_the_first_decides_the_exit_code(registry: Reg
 async def test_batch_duration_is_observed_once_per_batch_in_seconds(registry: Registry) -> None:
     """sqs_ingest_batch_duration_seconds (SPEC §6): one observation per batch, the batch's
     own wall time — a fraction of a second here, not a clock reading."""
-    from service import metrics
+    from service.observe import metrics
 
     def observed() -> tuple[float, float]:
         [metric] = metrics.batch_duration.collect()

@@ -14,7 +14,8 @@ import orjson
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
-from service import secrets, tracing
+from service import secrets
+from service.observe import tracing
 
 
 def _orjson_dumps(obj: Any, default: Any = None) -> str:
