@@ -28,7 +28,7 @@ from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
 from service.core.messages import Received
 from service.settings import Settings
-from service.store import ApplyResult, ClaimResult
+from service.adapters.store import ApplyResult, ClaimResult
 from service.worker import Worker
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

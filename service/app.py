@@ -13,20 +13,20 @@ import structlog
 from aiobotocore.session import get_session
 
 from service import diagnose
+from service.adapters.identity import ecs_worker_name
+from service.adapters.migrate import check_schema
+from service.adapters.payloads import S3Payloads, s3_client
+from service.adapters.pgerrors import CONNECTION_ERRORS
+from service.adapters.sinks import results_sink
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.adapters.store import Store, create_pool
 from service.core.retention import RetentionRefused, check_retention, queue_retention
 from service.core.retry import Backoff
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
-from service.identity import ecs_worker_name
-from service.migrate import check_schema
 from service.observe import metrics
-from service.payloads import S3Payloads, s3_client
-from service.pgerrors import CONNECTION_ERRORS
 from service.results import Publisher
 from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings
-from service.sinks import results_sink
-from service.sqs import SqsQueue, sqs_client
-from service.store import Store, create_pool
 from service.worker import EXIT_FATAL, Worker
 
 log = structlog.get_logger("sqs_ingest.app")
@@ -152,7 +152,7 @@ def _visibility_timeout(settings: Settings, attrs: dict[str, str]) -> int:
 async def _named(settings: Settings) -> Settings:
     if not settings.worker_name:
         # On ECS: the task and container (unique, kept by an in-place restart), so a
-        # restart releases its previous incarnation's claims at once (service.identity).
+        # restart releases its previous incarnation's claims at once (service.adapters.identity).
         ecs_name = await asyncio.to_thread(ecs_worker_name)
         if ecs_name:
             settings = settings.model_copy(update={"worker_name": ecs_name})

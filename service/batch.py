@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import structlog
 
+from service.adapters.payloads import S3Payloads
 from service.bisection import Bisection
 from service.core.budget import MemoryBudget
 from service.core.claims import ClaimsRegistry
@@ -39,7 +40,6 @@ from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
 from service.observe import metrics, tracing
-from service.payloads import S3Payloads
 from service.resolve import resolve_batch
 from service.visibility import VisibilityHeartbeat
 

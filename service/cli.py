@@ -222,8 +222,8 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _migrate(settings: Settings) -> int:
     import asyncpg
 
+    from service.adapters.migrate import migrate
     from service.errors import MigrationChanged
-    from service.migrate import migrate
     from service.secrets import safe
 
     try:
@@ -243,9 +243,9 @@ async def _migrate(settings: Settings) -> int:
 async def _gc(settings: Settings) -> int:
     import asyncpg
 
+    from service.adapters.store import Store, create_pool
     from service.errors import DatabaseError, driver_error
     from service.secrets import safe
-    from service.store import Store, create_pool
 
     try:
         pool = await create_pool(settings.database_dsn, 2)

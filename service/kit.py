@@ -126,7 +126,7 @@ def postgres_server() -> Iterator[Postgres]:
 async def create_template(pg: Postgres, name: str, extra_sql: Sequence[str] = ()) -> None:
     """Create database ``name`` on ``pg``, migrated, with ``extra_sql`` run in it: the
     template each test's database is copied from (``CREATE DATABASE … TEMPLATE name``)."""
-    from service.migrate import migrate  # the runner pulls in the CLI's dependencies
+    from service.adapters.migrate import migrate  # the runner pulls in the CLI's dependencies
 
     conn = await asyncpg.connect(pg.dsn())
     try:
@@ -165,11 +165,11 @@ class Runner:
 
     async def run(self, bodies: Sequence[str]) -> list[Outcome]:
         """One receive per ten bodies, in order (one batch, as SQS would hand them out)."""
+        from service.adapters.store import Store, create_pool
         from service.batch import BatchProcessor
         from service.core.retry import ReceiveLimit, RetryPolicy
         from service.dbhealth import DatabaseHealth
         from service.handlers import load_reference_handlers
-        from service.store import Store, create_pool
         from service.testing import FakeQueue
 
         load_reference_handlers()

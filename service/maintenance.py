@@ -1,6 +1,6 @@
 """Background upkeep beside the pollers: the worker heartbeat, orphan GC, the queue
 gauges from GetQueueAttributes (depth, oldest message age), the results publisher
-(``service.results``) when results are configured, and retention (``service.prune``)."""
+(``service.results``) when results are configured, and retention (``service.adapters.prune``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import structlog
 
-from service import prune
+from service.adapters import prune
 from service.core import retention
 from service.core.messages import Received
 from service.core.retry import ReceiveLimit
@@ -131,7 +131,7 @@ class Maintenance:
                 await self.gc_once()
 
     async def _prune_loop(self) -> None:
-        """Retention (``service.prune``): a first pass soon after start (replicas that
+        """Retention (``service.adapters.prune``): a first pass soon after start (replicas that
         restart more often than the interval still prune), then every interval. Its own
         connection per pass; a replica that finds another pruner at work skips the pass."""
         await asyncio.sleep(min(self.s.prune_interval, 60.0) * (0.5 + random.random()))

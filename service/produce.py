@@ -7,8 +7,8 @@ import random
 from argparse import Namespace  # noqa: F401  (documented signature)
 from datetime import UTC, datetime
 
+from service.adapters.sqs import SqsQueue, sqs_client
 from service.settings import Settings
-from service.sqs import SqsQueue, sqs_client
 
 
 def sample_bodies(count: int, seed: int = 1) -> list[str]:

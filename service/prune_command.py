@@ -1,5 +1,5 @@
 """``sqs-ingest prune [--dry-run]``: the retention safety check against the live queue, one
-pass (``service.prune``), a line per table."""
+pass (``service.adapters.prune``), a line per table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service import prune
+from service.adapters import prune
+from service.adapters.sqs import SqsQueue, sqs_client
 from service.core.retention import (
     RetentionRefused,
     check_retention,
@@ -18,7 +19,6 @@ from service.core.retention import (
 from service.errors import DB_ERRORS, TransientError, driver_error
 from service.secrets import safe
 from service.settings import Settings
-from service.sqs import SqsQueue, sqs_client
 
 log = structlog.get_logger("sqs_ingest.prune")
 
@@ -52,7 +52,7 @@ async def command(settings: Settings, dry_run: bool, queue_url_set: bool = True)
                     reason="retentions exceed SQS's maximum MessageRetentionPeriod")
     try:
         counts = await prune.prune_once(settings.database_dsn, settings, dry_run=dry_run)
-    except DB_ERRORS as failed:  # the driver's error is the cause (service.pgerrors)
+    except DB_ERRORS as failed:  # the driver's error is the cause (service.adapters.pgerrors)
         cause = driver_error(failed)
         print(safe(f"sqs-ingest: prune failed on {settings.database_redacted}: "
                    f"{type(cause).__name__}: {cause}"), file=sys.stderr)

@@ -29,8 +29,8 @@ from typing import Any
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
+from service.adapters.sqs import sqs_client
 from service.core.retry import RedrivePolicy
-from service.sqs import sqs_client
 
 log = structlog.get_logger("sqs_ingest.redrive")
 

@@ -1,15 +1,15 @@
-"""The batch's S3 step: fetch the payloads of its pointer bodies (``service.payloads``) and
+"""The batch's S3 step: fetch the payloads of its pointer bodies (``service.adapters.payloads``) and
 plan what could not be read (``service.core.plan.plan_unresolved``); on a FIFO queue a message
 handed back here holds back the later messages of its group."""
 
 from __future__ import annotations
 
+from service.adapters.payloads import Later, S3Payloads
 from service.core.messages import Received
 from service.core.plan import Plan, plan_unresolved
 from service.core.pointers import Fetched, Refused, Unreachable
 from service.core.retry import RetryPolicy
 from service.core.seams import StoreSeam
-from service.payloads import Later, S3Payloads
 
 
 async def resolve_batch(

@@ -1,8 +1,9 @@
 """Results out: the publisher of the transactional outbox (SPEC §5).
 
 Completions and dead letters write their ``outbox`` row in the statement that commits them
-(``service.store``); this module sends those rows to an SNS topic or an SQS queue afterwards
-(through a ``ResultsSink``: ``service.sinks``), ten per call, and marks them published only
+(``service.adapters.store``); this module sends those rows to an SNS topic or an SQS queue
+afterwards
+(through a ``ResultsSink``: ``service.adapters.sinks``), ten per call, and marks them published only
 once the destination accepted them. It runs
 beside the pollers and never blocks them: with the destination down, ingestion goes on, the
 outbox grows, and ``sqs_ingest_outbox_oldest_age_seconds`` says so.
@@ -20,11 +21,11 @@ from datetime import UTC
 import orjson
 import structlog
 
+from service.adapters.sqs import SEND_BATCH_MAX_BYTES, batched_by_size
 from service.core.retry import Backoff, sleep_or_stop
 from service.core.seams import OutboxRow, OutboxSeam, ResultsSink
 from service.errors import DB_ERRORS, TransientError
 from service.observe import metrics
-from service.sqs import SEND_BATCH_MAX_BYTES, batched_by_size
 
 log = structlog.get_logger("sqs_ingest.results")
 
@@ -42,8 +43,8 @@ CLAIM = 5 * BATCH
 #: What one call and one message may carry: SNS topics and SQS queues take 256 KiB by
 #: default (a topic's or queue's MaximumMessageSize may allow up to 1 MiB; the smaller limit
 #: holds everywhere). A call over it is refused whole (BatchRequestTooLong), so results go in
-#: calls that stay under it (``service.sqs.batched_by_size``), and a result that is larger on
-#: its own leaves without its ``result`` (``result_omitted``): it is in
+#: calls that stay under it (``service.adapters.sqs.batched_by_size``), and a result that is
+#: larger on its own leaves without its ``result`` (``result_omitted``): it is in
 #: ``modifications.result``.
 MAX_BYTES = SEND_BATCH_MAX_BYTES
 
@@ -88,7 +89,7 @@ def bodies_of(rows: Sequence[OutboxRow], max_bytes: int = MAX_BYTES) -> list[str
 class Publisher:
     """Sends the outbox: ``concurrency`` loops, each claim → send → mark in one transaction
     (``OutboxSeam.publish_outbox``), plus an upkeep loop for the gauges. Published rows are
-    deleted by the one pruner, ``service.prune`` (``INGEST_RESULTS_RETENTION_DAYS``)."""
+    deleted by the one pruner, ``service.adapters.prune`` (``INGEST_RESULTS_RETENTION_DAYS``)."""
 
     def __init__(
         self,

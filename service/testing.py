@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from service import completion
+from service.adapters import completion
 from service.core.messages import Message, Received
 from service.core.seams import (
     ApplyResult,
@@ -394,7 +394,7 @@ class FakeStore(FakeOutbox):
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
         batch: Batching | None = None,
     ) -> ApplyResult:
-        """The store's own attempt loop (``service.completion``) over these tables."""
+        """The store's own attempt loop (``service.adapters.completion``) over these tables."""
         self._check()
         once, batch_once = _replayed(call, batch)
         return await completion.complete(

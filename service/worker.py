@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from service.adapters.payloads import S3Payloads
 from service.batch import EXIT_ACK_FAILED, BatchProcessor
 from service.core.budget import MemoryBudget
 from service.core.labels import INVALID_TYPE_LABEL
@@ -24,7 +25,6 @@ from service.errors import DB_ERRORS, TransientError
 from service.handlers import Registry
 from service.maintenance import Maintenance
 from service.observe import metrics
-from service.payloads import S3Payloads
 from service.results import Publisher
 from service.settings import Settings
 

@@ -54,7 +54,7 @@ def load(root: Path) -> dict[str, int | None]:
 
 
 def function_of(mutant: str) -> tuple[str, str]:
-    """('service.store', 'Store.apply') of 'service.store.xǁStoreǁapply__mutmut_3'."""
+    """('service.adapters.store', 'Store.apply') of 'service.adapters.store.xǁStoreǁapply__mutmut_3'."""
     mangled = mutant.partition("__mutmut_")[0]
     module, _, name = mangled.rpartition(".")
     if name.startswith("x" + SEP):

@@ -38,7 +38,7 @@ ERROR_KINDS: tuple[S3ErrorKind, ...] = get_args(S3ErrorKind)
 DeleteOutcome = Literal["deleted", "failed"]
 DELETE_OUTCOMES: tuple[DeleteOutcome, ...] = get_args(DeleteOutcome)
 
-#: ``pruned_rows_total{table}``: every table the pruner deletes from (``service.prune``).
+#: ``pruned_rows_total{table}``: every table the pruner deletes from (``service.adapters.prune``).
 PrunedTable = Literal[
     "modifications", "retry_attempts", "dead_letters", "reconciliation_discrepancies",
     "reconciliation_runs", "workers", "outbox", "payload_refusals",

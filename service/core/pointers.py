@@ -1,6 +1,6 @@
 """S3 payload pointers as values: the pointer a body (or the ``Message`` of an SNS envelope)
 carries, and what reading it gave (``Fetched``, ``Refused``, ``Unreachable``). No I/O here:
-``service.payloads`` reads S3, ``service.core.plan`` decides what an unread payload means.
+``service.adapters.payloads`` reads S3, ``service.core.plan`` decides what an unread payload means.
 
 The AWS extended clients (Java ``amazon-sqs-java-extended-client-lib`` /
 ``amazon-sns-java-extended-client-lib``, Python ``amazon-sqs-extended-client`` /

@@ -1,5 +1,6 @@
 """The two seams the worker is written against — the queue and the store — and the values
-that cross them. ``service.sqs.SqsQueue`` / ``service.store.Store`` are the real ones;
+that cross them. ``service.adapters.sqs.SqsQueue`` / ``service.adapters.store.Store`` are the
+real ones;
 ``service.testing`` holds in-memory twins that mypy checks against the same protocols."""
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class StoreSeam(Protocol):
         batch: Batching | None = None,
     ) -> ApplyResult:
         """Run the handlers (``call``; ``batch``: the batch form) and mark the messages
-        COMPLETED in one transaction fenced on the owner (``service.completion``): what
+        COMPLETED in one transaction fenced on the owner (``service.adapters.completion``): what
         completed, failed, was lost to GC, or was blocked behind a FIFO failure."""
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:

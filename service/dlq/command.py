@@ -11,6 +11,7 @@ from typing import Any
 import asyncpg
 import orjson
 
+from service.adapters.sqs import sqs_client
 from service.dlq.letters import (
     AlreadyReplayed,
     Letter,
@@ -26,7 +27,6 @@ from service.dlq.letters import (
 from service.dlq.sender import sqs_sender
 from service.secrets import inert, inert_json, safe
 from service.settings import Settings
-from service.sqs import sqs_client
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -30,7 +30,7 @@ from datetime import datetime
 import asyncpg
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.sql import queries
+from service.adapters.sql import queries
 
 Q = queries()
 

@@ -112,7 +112,8 @@ outbox_oldest_age = Gauge(
     registry=REGISTRY,
 )
 pruned_rows = Counter(
-    P + "pruned_rows", "Rows deleted by retention (service.prune)", ["table"], registry=REGISTRY,
+    P + "pruned_rows", "Rows deleted by retention (service.adapters.prune)", ["table"],
+    registry=REGISTRY,
 )
 s3_fetches = Counter(
     P + "s3_fetches", "S3 GetObject calls for offloaded payloads, by outcome "

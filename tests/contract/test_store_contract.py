@@ -14,10 +14,10 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
+from service.adapters.store import Store, create_pool
 from service.core.messages import Message, Received
 from service.core.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
 from service.errors import DatabaseError
-from service.store import Store, create_pool
 from service.testing import FakeDatabase, FakeStore, FakeWorker
 from tests.conftest import fresh_database
 from tests.servers import Postgres
@@ -187,9 +187,9 @@ class RealBackend:
             await self.outbox_pool.close()
 
     async def prune_outbox(self, retention_days: float, limit: int) -> int:
-        """One batch of the pruner's outbox step (service.prune; the store no longer
+        """One batch of the pruner's outbox step (service.adapters.prune; the store no longer
         deletes published rows itself), in its own transaction as a pass runs it."""
-        from service.prune import STEPS, delete_batch
+        from service.adapters.prune import STEPS, delete_batch
         from service.settings import Settings
 
         step = next(s for s in STEPS if s.table == "outbox")

@@ -21,12 +21,13 @@ import sys
 import time
 import traceback
 
+import service.adapters.migrate
+import service.adapters.prune
+
 # The commands' own imports, paid once here, before any fork.
 import service.app
 import service.cli
 import service.dlq
-import service.migrate
-import service.prune
 import service.reconcile.cli
 import service.redrive
 

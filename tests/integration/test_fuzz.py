@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from service.adapters.store import Store, create_pool
 from service.batch import BatchProcessor
 from service.core.messages import Message
 from service.core.retry import ReceiveLimit, RetryPolicy
 from service.core.seams import ClaimResult
 from service.dbhealth import DatabaseHealth
 from service.handlers import default_registry, load_reference_handlers
-from service.store import Store, create_pool
 from service.testing import FakeQueue
 
 REASONS: dict[str, int] = {}

@@ -13,11 +13,11 @@ from typing import Any
 import asyncpg
 import pytest
 
+from service.adapters.store import DeadLetter, Store, claim, create_pool
 from service.core.messages import Message, Received, payload_hash
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
 from service.handlers.invoke import Invoker
-from service.store import DeadLetter, Store, claim, create_pool
 
 
 def msg(rid: str, version: int = 1, mid: str | None = None, data: Any = None,
@@ -595,8 +595,8 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
 async def test_ping_and_schema_check_against_the_real_database(
     pool: asyncpg.Pool, db: asyncpg.Connection
 ) -> None:
+    from service.adapters.migrate import SchemaBehind
     from service.errors import DatabaseUnavailable
-    from service.migrate import SchemaBehind
 
     a = Store(pool, "w-a")
     await a.ping()
@@ -1052,7 +1052,7 @@ async def test_a_completion_that_loses_rows_under_the_fence_rolls_back_loudly(
     """Defence in depth: the fence holds the rows' locks, so the completing statement
     updates every live row. If it ever did not (a bug, a changed statement), nothing of the
     batch commits — no request half done — and the error says which invariant broke."""
-    from service import store as store_module
+    from service.adapters import store as store_module
 
     real = store_module._PgTransactions.complete
 
@@ -1077,8 +1077,8 @@ async def test_a_connection_that_cannot_go_back_to_the_pool_is_an_outage_naming_
     error — what the readiness probe and the log show."""
     from asyncpg.pool import PoolAcquireContext
 
+    from service.adapters.store import connection
     from service.errors import DatabaseUnavailable
-    from service.store import connection
 
     hand_back = PoolAcquireContext.__aexit__
 

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
+from service.adapters.payloads import S3Payloads
 from service.core.budget import MemoryBudget
 from service.observe import metrics
-from service.payloads import S3Payloads
 from service.settings import ConfigError, load_settings
 from service.testing import FakeQueue, FakeStore
 from service.worker import Worker

@@ -40,7 +40,7 @@ class RefusingStore(FakeStore):
         self.claims.append([m.request_id for m in messages])
         if any(m.request_id.startswith("hostile") for m in messages):
             # What the real store raises for asyncpg's ProgramLimitExceededError (the seam
-            # speaks service.errors: service.pgerrors translates at the connection).
+            # speaks service.errors: service.adapters.pgerrors translates at the connection).
             raise DataRejected(
                 "ProgramLimitExceededError: index row size 5016 exceeds btree version 4 "
                 "maximum 2704")

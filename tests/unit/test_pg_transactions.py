@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.store import _PgTransactions
+from service.adapters.store import _PgTransactions
 
 
 class Conn:

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from service import prune
+from service.adapters import prune
+from service.adapters.prune import STEPS, TABLES
+from service.adapters.sql import queries
 from service.core.retention import (
     SQS_MAX_RETENTION,
     RetentionRefused,
@@ -22,9 +24,7 @@ from service.core.retention import (
 from service.core.retry import ReceiveLimit
 from service.maintenance import Maintenance
 from service.observe import metrics
-from service.prune import STEPS, TABLES
 from service.settings import ConfigError, Settings, load_settings
-from service.sql import queries
 
 
 def settings(**over: Any) -> Settings:

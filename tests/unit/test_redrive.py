@@ -317,7 +317,7 @@ async def test_redrive_refuses_a_queue_without_a_policy(capsys: pytest.CaptureFi
 
 
 def test_a_fresh_copy_carries_body_attributes_group_and_a_dedup_id_of_its_own() -> None:
-    from service.sqs import _copy_entry
+    from service.adapters.sqs import _copy_entry
 
     attrs = {"a": {"DataType": "String", "StringValue": "x", "StringListValues": []},
              "b": {"DataType": "Binary", "BinaryValue": b"\x00\x01"}}

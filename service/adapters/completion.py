@@ -1,5 +1,5 @@
 """The completing transaction (SPEC §2.4) as a loop of attempts, without a driver: both
-stores run it — ``service.store.Store`` over PostgreSQL, ``service.testing.FakeStore`` over
+stores run it — ``service.adapters.store.Store`` over PostgreSQL, ``service.testing.FakeStore`` over
 its tables — through the small transaction seam below, so the fake cannot drift from it.
 
 One attempt runs in one transaction: fence the claims (those still ours, locked until the

@@ -16,11 +16,11 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
+from service.adapters.useragent import user_agent
 from service.core.seams import OutboxRow, ResultsSink
 from service.errors import TransientError
 from service.observe import metrics
 from service.settings import Settings
-from service.useragent import user_agent
 
 log = structlog.get_logger("sqs_ingest.results")
 
@@ -128,7 +128,7 @@ async def results_sink(settings: Settings) -> AsyncIterator[ResultsSink]:
     session = get_session()
     config = AioConfig(connect_timeout=5, read_timeout=settings.results_send_timeout,
                        retries={"max_attempts": 2, "mode": "standard"},
-                       # Entries are built here from typed values (as in service.sqs).
+                       # Entries are built here from typed values (as in service.adapters.sqs).
                        parameter_validation=False, user_agent=user_agent(session))
     endpoint = settings.results_endpoint_url or settings.sqs_endpoint_url
     async with session.create_client(

@@ -21,6 +21,7 @@ import structlog
 from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from service.adapters.useragent import user_agent
 from service.core.budget import MemoryBudget
 from service.core.labels import S3ErrorKind
 from service.core.messages import Received
@@ -35,7 +36,6 @@ from service.core.pointers import (
 )
 from service.observe import metrics
 from service.s3access import BUCKETS_VARIABLE, AllowList
-from service.useragent import user_agent
 
 log = structlog.get_logger("sqs_ingest.payloads")
 

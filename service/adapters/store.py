@@ -14,7 +14,10 @@ from typing import Any
 import asyncpg
 import orjson
 
-from service import completion
+from service.adapters import completion
+from service.adapters.migrate import check_schema
+from service.adapters.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, translate, unavailable
+from service.adapters.sql import queries
 from service.core.limits import storable
 from service.core.messages import Message
 from service.core.seams import (
@@ -31,9 +34,6 @@ from service.core.seams import (
     SendRows,
     StoreSeam,
 )
-from service.migrate import check_schema
-from service.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, translate, unavailable
-from service.sql import queries
 
 __all__ = [
     "ApplyResult", "BatchCall", "BatchKey", "ClaimResult", "DeadLetter", "HandlerCall",
@@ -48,7 +48,7 @@ def new_worker_id() -> str:
 
 class connection:  # lower case: used like a function, ``async with connection(pool)``
     """A pooled connection, and the one place the store's driver errors are translated
-    (``service.pgerrors.translate``): a lost database surfaces as DatabaseUnavailable, a
+    (``service.adapters.pgerrors.translate``): a lost database surfaces as DatabaseUnavailable, a
     refused value as DataRejected, any other failed statement as DatabaseError.
 
     A small class rather than ``@asynccontextmanager``: it wraps every store call (the
@@ -216,7 +216,7 @@ class Store(PgOutbox):
             rows = await conn.fetch(
                 Q["gc_orphans"], self.worker_id, lease_seconds, name, started_before
             )
-            # Workers rows go in service.prune (INGEST_WORKER_RETENTION_DAYS).
+            # Workers rows go in service.adapters.prune (INGEST_WORKER_RETENTION_DAYS).
             return list(rows)
 
     async def gc_own_leaks(self, holding: Sequence[str]) -> list[str]:
@@ -264,7 +264,7 @@ class Store(PgOutbox):
         batch: Batching | None = None,
     ) -> ApplyResult:
         """Run handlers and mark COMPLETED in one transaction, fenced on ``owner``: the
-        attempt loop of ``service.completion`` over this connection (a broken connection
+        attempt loop of ``service.adapters.completion`` over this connection (a broken connection
         raises DatabaseUnavailable)."""
         async with connection(self.pool) as conn:
             txns = _PgTransactions(self.pool, conn, self.worker_id, self.results)
@@ -365,7 +365,7 @@ def _sequence(m: Message) -> str | None:
     return str(m.raw.sequence_number)
 
 
-# -- the completing transaction's seam (service.completion) over one connection ----------
+# -- the completing transaction's seam (service.adapters.completion) over one connection ----------
 
 
 class _PgTransactions:

@@ -60,12 +60,12 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 
+from service.adapters.pgerrors import translate
+from service.adapters.sql import queries
 from service.core.labels import PRUNED_TABLES
 from service.core.retention import DAY
 from service.observe import metrics
-from service.pgerrors import translate
 from service.settings import Settings
-from service.sql import queries
 
 log = structlog.get_logger("sqs_ingest.prune")
 

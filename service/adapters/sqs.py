@@ -10,11 +10,11 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
+from service.adapters.useragent import user_agent
 from service.core.messages import Received
 from service.core.seams import QueueSeam
 from service.errors import AckFailed, TransientError
 from service.observe import tracing
-from service.useragent import user_agent
 
 T = TypeVar("T")
 
