@@ -53,10 +53,13 @@ class Migration:
 
 
 def migrations_dir() -> Path:
-    packaged = Path(__file__).parent / "migrations"
+    # service/adapters/migrate.py: the wheel carries them as service/migrations, a checkout
+    # at the repository's root
+    here = Path(__file__).resolve()
+    packaged = here.parents[1] / "migrations"
     if packaged.is_dir():
         return packaged
-    return Path(__file__).resolve().parent.parent / "migrations"
+    return here.parents[2] / "migrations"
 
 
 def load_migrations(directory: Path | None = None) -> list[Migration]:
