@@ -29,7 +29,7 @@ from service.handlers.entities import EntityUpsert
 from service.core.messages import Received
 from service.settings import Settings
 from service.adapters.store import ApplyResult, ClaimResult
-from service.worker import Worker
+from service.runtime.worker import Worker
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 N = int(sys.argv[1])

@@ -25,9 +25,9 @@ from service.core.retry import Backoff
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.observe import metrics
-from service.results import Publisher
+from service.runtime.results import Publisher
+from service.runtime.worker import EXIT_FATAL, Worker
 from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings
-from service.worker import EXIT_FATAL, Worker
 
 log = structlog.get_logger("sqs_ingest.app")
 

@@ -166,10 +166,10 @@ class Runner:
     async def run(self, bodies: Sequence[str]) -> list[Outcome]:
         """One receive per ten bodies, in order (one batch, as SQS would hand them out)."""
         from service.adapters.store import Store, create_pool
-        from service.batch import BatchProcessor
         from service.core.retry import ReceiveLimit, RetryPolicy
-        from service.dbhealth import DatabaseHealth
         from service.handlers import load_reference_handlers
+        from service.runtime.batch import BatchProcessor
+        from service.runtime.dbhealth import DatabaseHealth
         from service.testing import FakeQueue
 
         load_reference_handlers()

@@ -10,7 +10,7 @@ What the policy means for the daemon lives in ``service.core.retry`` (``RedriveP
   before that (into ``dead_letters``, where ``dlq list``/``dlq replay`` see it), so its
   failure limit is ``min(INGEST_MAX_RECEIVE_COUNT, maxReceiveCount)`` and a failure on the
   last receive SQS allows is final. The policy is read at start and with every periodic
-  GetQueueAttributes (``service.maintenance``): one shared object, so a policy changed on
+  GetQueueAttributes (``service.runtime.maintenance``): one shared object, so a policy changed on
   the queue takes effect without a restart.
 - The deferral rule (``ReceiveLimit.must_requeue``): a message handed back for a reason
   that is not its fault (contention, database outage, shutdown) still spends a receive.

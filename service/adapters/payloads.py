@@ -1,7 +1,7 @@
 """Large payloads offloaded to S3 by the AWS extended clients: S3 I/O only — fetching what a
 pointer (``service.core.pointers``) points to, and deleting it after the request is committed
 and acked (opt-in). What an unread payload means for its message is decided in
-``service.core.plan``; the batch path calls both (``service.resolve``).
+``service.core.plan``; the batch path calls both (``service.runtime.resolve``).
 
 Memory: a payload is read only after GetObject's ``Content-Length`` is checked against
 ``INGEST_MAX_PAYLOAD_BYTES``, into one buffer of exactly that size (chunks are copied in and

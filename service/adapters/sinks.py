@@ -1,6 +1,6 @@
 """The results destinations (SPEC §5): an SNS topic (PublishBatch) or an SQS queue
 (SendMessageBatch) through aiobotocore — the adapters behind ``seams.ResultsSink`` that
-``service.results.Publisher`` sends the outbox through. botocore's errors stop here
+``service.runtime.results.Publisher`` sends the outbox through. botocore's errors stop here
 (``TransientError``)."""
 
 from __future__ import annotations

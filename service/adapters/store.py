@@ -135,7 +135,7 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
 
 class PgOutbox:
     """The results outbox's side of PostgreSQL (``service.core.seams.OutboxSeam``): what the
-    publisher (``service.results``) claims, sends and marks. ``Store`` is one, over the
+    publisher (``service.runtime.results``) claims, sends and marks. ``Store`` is one, over the
     connections it is given for it."""
 
     def __init__(self, outbox_pool: asyncpg.Pool) -> None:

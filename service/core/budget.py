@@ -7,7 +7,7 @@ first come first served (a batch's payloads before the polls: finishing a batch 
 frees memory) — unless every owner holding bytes is itself waiting: then nobody
 would ever give any back, and the first waiter is let in over the limit (by at most one
 message's bytes: a batch holding payload bytes never waits for more, it commits what it
-holds first, ``service.resolve``). So the budget never deadlocks.
+holds first, ``service.runtime.resolve``). So the budget never deadlocks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The request_ids claimed by the batches in flight of one worker: the batch path counts
-its claims in and out, and the own-leak GC (``service.maintenance``) spares every one of
+its claims in and out, and the own-leak GC (``service.runtime.maintenance``) spares every one of
 them (``StoreSeam.gc_own_leaks``)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A batch as a value: pure functions that turn parse, claim and apply results into a
 ``Plan`` — what to dead-letter, ack, hand back and count — without any I/O.
 
-``service.executor`` carries a plan out in the one safe order: dead letters committed →
+``service.runtime.executor`` carries a plan out in the one safe order: dead letters committed →
 deletes → visibility changes.
 """
 

@@ -232,7 +232,7 @@ class StoreSeam(Protocol):
 
 
 class OutboxSeam(Protocol):
-    """The store side of the results publisher (``service.results``)."""
+    """The store side of the results publisher (``service.runtime.results``)."""
 
     #: Set whenever this process commits outbox rows (the publisher wakes at once).
     outbox_written: asyncio.Event

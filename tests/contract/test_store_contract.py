@@ -514,7 +514,7 @@ async def test_a_standard_destination_does_not_hold_a_group_behind_a_held_row(
 
 
 async def test_the_destination_gets_each_outcome_whole(backend: Backend) -> None:
-    """What the publisher turns into the result message (service.results): every field of
+    """What the publisher turns into the result message (service.runtime.results): every field of
     the row, for a completion and for a dead letter."""
     from datetime import datetime
 

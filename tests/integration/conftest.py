@@ -8,8 +8,8 @@ from typing import Any
 from service.adapters.sqs import SqsQueue, sqs_client
 from service.adapters.store import Store, create_pool
 from service.handlers import Registry, default_registry, load_reference_handlers
+from service.runtime.worker import Worker
 from service.settings import Settings
-from service.worker import Worker
 
 
 def make_settings(queue_url: str, database_url: str, endpoint: str, **over: Any) -> Settings:

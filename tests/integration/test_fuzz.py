@@ -24,12 +24,12 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from service.adapters.store import Store, create_pool
-from service.batch import BatchProcessor
 from service.core.messages import Message
 from service.core.retry import ReceiveLimit, RetryPolicy
 from service.core.seams import ClaimResult
-from service.dbhealth import DatabaseHealth
 from service.handlers import default_registry, load_reference_handlers
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue
 
 REASONS: dict[str, int] = {}

@@ -15,10 +15,10 @@ import pytest
 from pydantic import BaseModel
 
 from service.adapters.store import Store, create_pool
-from service.batch import BatchProcessor
 from service.core.retry import ReceiveLimit, RetryPolicy
-from service.dbhealth import DatabaseHealth
 from service.handlers import Registry, current_request_id
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue
 
 

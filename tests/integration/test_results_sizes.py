@@ -17,7 +17,7 @@ from aiobotocore.session import get_session
 
 from service.adapters.sinks import SnsSink, SqsSink
 from service.adapters.store import Store, create_pool
-from service.results import Publisher
+from service.runtime.results import Publisher
 
 
 @pytest.fixture

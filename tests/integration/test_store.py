@@ -566,7 +566,7 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
     from types import SimpleNamespace
 
     from service.core.retry import ReceiveLimit
-    from service.maintenance import Maintenance
+    from service.runtime.maintenance import Maintenance
     from service.settings import Settings
 
     a = await registered(pool, "w-a")

@@ -12,9 +12,9 @@ import pytest
 from service.adapters.payloads import S3Payloads
 from service.core.budget import MemoryBudget
 from service.observe import metrics
+from service.runtime.worker import Worker
 from service.settings import ConfigError, load_settings
 from service.testing import FakeQueue, FakeStore
-from service.worker import Worker
 from tests.unit.test_payloads import FakeS3, doc, note_registry, pointer_body
 from tests.unit.test_worker import settings, until
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from service.core.claims import ClaimsRegistry
 from service.handlers import Registry
+from service.runtime.worker import Worker
 from service.testing import FakeQueue, FakeStore
-from service.worker import Worker
 from tests.unit.test_worker import Note, body, settings, until
 
 

@@ -15,7 +15,7 @@ import pytest
 from service.core.messages import Message, Received
 from service.core.retry import ReceiveLimit
 from service.errors import AckFailed, DatabaseUnavailable
-from service.executor import InFlight, PlanExecutor
+from service.runtime.executor import InFlight, PlanExecutor
 from service.testing import FakeQueue, FakeStore
 
 

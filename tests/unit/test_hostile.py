@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from service.bisection import Bisection
 from service.core.claims import ClaimsRegistry
 from service.core.labels import INVALID_TYPE_LABEL
 from service.core.messages import Message, Received, parse
@@ -19,10 +18,11 @@ from service.core.plan import Plan
 from service.core.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.core.seams import ClaimResult
 from service.errors import DataRejected
-from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
+from service.runtime.bisection import Bisection
+from service.runtime.executor import InFlight, PlanExecutor
+from service.runtime.visibility import VisibilityHeartbeat
 from service.testing import FakeQueue, FakeStore
-from service.visibility import VisibilityHeartbeat
 from tests.unit.test_worker import Harness, body, settings, until
 
 

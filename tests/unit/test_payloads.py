@@ -21,10 +21,10 @@ from service.core.pointers import Fetched, Pointer, Refused, Unreachable, find_p
 from service.core.retry import RetryPolicy
 from service.handlers import Registry, current_attributes
 from service.observe import metrics
-from service.resolve import resolve_batch
+from service.runtime.resolve import resolve_batch
+from service.runtime.worker import EXIT_ACK_FAILED, Worker
 from service.s3access import AllowList
 from service.testing import FakeQueue, FakeStore
-from service.worker import EXIT_ACK_FAILED, Worker
 from tests.unit.test_worker import settings, until
 
 CURRENT = "software.amazon.payloadoffloading.PayloadS3Pointer"
@@ -555,7 +555,7 @@ async def test_a_batch_holding_no_payload_waits_for_room_for_one_before_the_poll
         poll.cancel()
 
 
-# -- the batch's S3 step (service.resolve) ------------------------------------------------
+# -- the batch's S3 step (service.runtime.resolve) ------------------------------------------------
 
 
 def policy0() -> RetryPolicy:

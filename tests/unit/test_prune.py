@@ -22,8 +22,8 @@ from service.core.retention import (
     safe_without_queue,
 )
 from service.core.retry import ReceiveLimit
-from service.maintenance import Maintenance
 from service.observe import metrics
+from service.runtime.maintenance import Maintenance
 from service.settings import ConfigError, Settings, load_settings
 
 

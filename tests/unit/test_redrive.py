@@ -21,9 +21,9 @@ from service.core.messages import Received
 from service.core.plan import settle_failures
 from service.core.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.errors import DatabaseUnavailable
-from service.executor import PlanExecutor
 from service.handlers import Registry
 from service.redrive import redrive
+from service.runtime.executor import PlanExecutor
 from service.testing import FakeQueue, FakeStore, FakeWorker, Row
 from tests.unit.test_worker import Harness, Note, _hash, body, settings, until
 

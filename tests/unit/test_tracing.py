@@ -185,7 +185,7 @@ def test_off_costs_no_import_and_returns_the_shared_noop() -> None:
     code = """
 import sys
 from service.observe import tracing
-import service.cli, service.batch, service.adapters.sqs, service.observe.logs
+import service.cli, service.runtime.batch, service.adapters.sqs, service.observe.logs
 from service.handlers import invoke
 from service.core.messages import Received
 r = Received("m", "h", "{}")

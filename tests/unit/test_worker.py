@@ -15,9 +15,9 @@ from structlog.testing import capture_logs
 from service.errors import TransientError
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
+from service.runtime.worker import EXIT_ACK_FAILED, EXIT_OK, Worker
 from service.settings import Settings
 from service.testing import FakeQueue, FakeStore
-from service.worker import EXIT_ACK_FAILED, EXIT_OK, Worker
 
 
 class Note(BaseModel):
@@ -478,7 +478,7 @@ async def test_the_crash_point_fires_after_the_commit_before_any_delete(
     message is still on the queue. The kill is replaced by a snapshot of that moment."""
     import types
 
-    from service import crashpoint
+    from service.runtime import crashpoint
 
     q = FakeQueue()
     h = Harness(settings(pollers=1), registry, q)
@@ -554,7 +554,7 @@ async def test_a_batch_task_that_dies_of_a_bug_stops_the_daemon_with_exit_1(
     """A bug outside the batch's guard (here: its duration metric) is not lost as an
     unretrieved task exception while the daemon carries on: it is logged and the daemon
     exits 1, for the orchestrator to restart it."""
-    from service.worker import EXIT_FATAL
+    from service.runtime.worker import EXIT_FATAL
 
     q = FakeQueue()
     q.send(body("r1", 1))
@@ -752,7 +752,7 @@ async def test_a_batch_that_dies_of_a_bug_while_stopping_is_logged_and_the_exit_
 def test_every_fatal_is_logged_and_the_first_decides_the_exit_code(registry: Registry) -> None:
     """A batch died (exit 1) and another then failed its acks: the exit stays 1, and the
     ack failure's line still names the messages it left on the queue."""
-    from service.worker import EXIT_FATAL
+    from service.runtime.worker import EXIT_FATAL
 
     worker = Worker(settings(), FakeQueue(), FakeStore(), registry, visibility_timeout=30)
     with capture_logs() as logs:

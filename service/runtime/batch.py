@@ -5,8 +5,8 @@
 
 Every message ends in exactly one of: acked (its outcome is committed) or released
 (visibility set so it comes back). Nothing is acked before the commit that made its
-outcome durable. The visibility heartbeat (``service.visibility``) keeps a slow batch
-hidden meanwhile; a part that fails on one message is split (``service.bisection``); the
+outcome durable. The visibility heartbeat (``service.runtime.visibility``) keeps a slow batch
+hidden meanwhile; a part that fails on one message is split (``service.runtime.bisection``); the
 claims of batches in flight are counted in ``service.core.claims`` for the own-leak GC.
 """
 
@@ -19,7 +19,6 @@ from collections.abc import Callable
 import structlog
 
 from service.adapters.payloads import S3Payloads
-from service.bisection import Bisection
 from service.core.budget import MemoryBudget
 from service.core.claims import ClaimsRegistry
 from service.core.messages import Message, Received
@@ -33,15 +32,16 @@ from service.core.plan import (
 )
 from service.core.retry import ReceiveLimit, RetryPolicy
 from service.core.seams import QueueSeam, StoreSeam
-from service.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
-from service.dbhealth import DatabaseHealth
 from service.errors import AckFailed, DatabaseUnavailable, TransientError
-from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
 from service.handlers.invoke import Invoker
 from service.observe import metrics, tracing
-from service.resolve import resolve_batch
-from service.visibility import VisibilityHeartbeat
+from service.runtime.bisection import Bisection
+from service.runtime.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
+from service.runtime.dbhealth import DatabaseHealth
+from service.runtime.executor import InFlight, PlanExecutor
+from service.runtime.resolve import resolve_batch
+from service.runtime.visibility import VisibilityHeartbeat
 
 log = structlog.get_logger("sqs_ingest.worker")
 
@@ -190,7 +190,7 @@ class BatchProcessor:
                 to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching
             )
         if res.completed:
-            crash_point(AFTER_COMMIT_BEFORE_DELETE)  # tests only (service.crashpoint)
+            crash_point(AFTER_COMMIT_BEFORE_DELETE)  # tests only (service.runtime.crashpoint)
         plan = settle(res, self.policy)
         if res.blocked:
             await self.store.release(res.blocked)

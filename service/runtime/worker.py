@@ -1,6 +1,7 @@
 """The worker's lifecycle: long-poll receivers feeding bounded in-flight batches, health
-for the probes, and the drain on SIGTERM. A batch's own path is in ``service.batch``;
-background upkeep in ``service.maintenance``; the database's up/down in ``service.dbhealth``.
+for the probes, and the drain on SIGTERM. A batch's own path is in ``service.runtime.batch``;
+background upkeep in ``service.runtime.maintenance``; the database's up/down in
+``service.runtime.dbhealth``.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ from typing import Any
 import structlog
 
 from service.adapters.payloads import S3Payloads
-from service.batch import EXIT_ACK_FAILED, BatchProcessor
 from service.core.budget import MemoryBudget
 from service.core.labels import INVALID_TYPE_LABEL
 from service.core.messages import Received
 from service.core.retry import Backoff, ReceiveLimit, RetryPolicy, sleep_or_stop, wait_any
 from service.core.seams import QueueSeam, StoreSeam
-from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, TransientError
 from service.handlers import Registry
-from service.maintenance import Maintenance
 from service.observe import metrics
-from service.results import Publisher
+from service.runtime.batch import EXIT_ACK_FAILED, BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
+from service.runtime.maintenance import Maintenance
+from service.runtime.results import Publisher
 from service.settings import Settings
 
 log = structlog.get_logger("sqs_ingest.worker")

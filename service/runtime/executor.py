@@ -32,7 +32,7 @@ class InFlight:
     extender: asyncio.Task[None] | None = None
     # FIFO groups that must wait (bisection): group → the longest delay handed back in it.
     held_groups: dict[str, int] = field(default_factory=dict)
-    # The visibility heartbeat's clock (service.visibility): when the batch started (the
+    # The visibility heartbeat's clock (service.runtime.visibility): when the batch started (the
     # 12-hour cap counts from the receive), and how long after that its unresolved
     # messages stay hidden (kept across a bisection's halves).
     received_at: float | None = None

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from service.executor import InFlight, PlanExecutor
 from service.observe import metrics
+from service.runtime.executor import InFlight, PlanExecutor
 from service.settings import MIN_VISIBILITY_TIMEOUT, SQS_MAX_VISIBILITY
 
 log = structlog.get_logger("sqs_ingest.worker")

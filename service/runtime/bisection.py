@@ -16,9 +16,9 @@ from service.core.plan import Plan, describe
 from service.core.retry import ReceiveLimit, RetryPolicy
 from service.core.seams import DeadLetter, StoreSeam
 from service.errors import AckFailed, DataRejected, TransientError
-from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
-from service.visibility import VisibilityHeartbeat
+from service.runtime.executor import InFlight, PlanExecutor
+from service.runtime.visibility import VisibilityHeartbeat
 
 log = structlog.get_logger("sqs_ingest.worker")
 

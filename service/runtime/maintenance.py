@@ -1,6 +1,7 @@
 """Background upkeep beside the pollers: the worker heartbeat, orphan GC, the queue
 gauges from GetQueueAttributes (depth, oldest message age), the results publisher
-(``service.results``) when results are configured, and retention (``service.adapters.prune``)."""
+(``service.runtime.results``) when results are configured, and retention
+(``service.adapters.prune``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from service.core import retention
 from service.core.messages import Received
 from service.core.retry import ReceiveLimit
 from service.core.seams import QueueSeam, StoreSeam
-from service.dbhealth import DatabaseHealth
 from service.errors import DB_ERRORS, RetentionRefused, TransientError
 from service.observe import metrics
-from service.results import Publisher
+from service.runtime.dbhealth import DatabaseHealth
+from service.runtime.results import Publisher
 from service.settings import Settings
 
 log = structlog.get_logger("sqs_ingest.worker")
