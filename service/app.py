@@ -12,7 +12,6 @@ import asyncpg
 import structlog
 from aiobotocore.session import get_session
 
-from service import diagnose
 from service.adapters.identity import ecs_worker_name
 from service.adapters.migrate import check_schema
 from service.adapters.payloads import S3Payloads, s3_client
@@ -25,6 +24,7 @@ from service.core.retry import Backoff
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.observe import metrics
+from service.ops import diagnose
 from service.runtime.results import Publisher
 from service.runtime.worker import EXIT_FATAL, Worker
 from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings

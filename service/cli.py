@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(settings: Settings) -> int:
     """The daemon: the handler modules imported, tracing set up if asked, app.run."""
-    from service import app, diagnose
+    from service import app
     from service.handlers import load_handler_modules
+    from service.ops import diagnose
     from service.secrets import safe
 
     try:
@@ -145,22 +146,22 @@ def _command(settings: Settings, args: argparse.Namespace) -> int:
     if args.command == "gc":
         return _run_async(_gc(settings))
     if args.command == "prune":
-        from service import prune_command
+        from service.ops import prune_command
 
         return _run_async(prune_command.command(settings, args.dry_run,
                                         queue_url_set=settings.queue_url != NO_QUEUE))
     if args.command == "dlq":
-        from service import dlq
+        from service.ops import dlq
 
         return _run_async(dlq.main(settings, args))
     if args.command == "redrive":
-        from service import redrive
+        from service.ops import redrive
 
         return _run_async(redrive.main(settings, args.dry_run))
     if args.command in ("schema", "handlers"):
         return _describe(settings, args.command)
     if args.command == "produce":
-        from service import produce
+        from service.ops import produce
 
         return _run_async(produce.main(settings, args.count, args.seed))
     raise AssertionError(args.command)
@@ -192,8 +193,8 @@ def _describe(settings: Settings, command: str) -> int:
     """The registry the daemon would run with: reference handlers + INGEST_HANDLERS."""
     import json
 
-    from service import schema
     from service.handlers import default_registry, load_handler_modules, load_reference_handlers
+    from service.ops import schema
 
     load_reference_handlers()
     try:

@@ -132,7 +132,7 @@ class Settings(BaseSettings):
             queue's own ``VisibilityTimeout`` attribute, read at startup; else at least
             ``MIN_VISIBILITY_TIMEOUT`` (2).
         max_receive_count: handler attempts before a message is dead-lettered; lowered to
-            the queue's RedrivePolicy maxReceiveCount when that is smaller (service.redrive).
+            the queue's RedrivePolicy maxReceiveCount when that is smaller (service.ops.redrive).
         pollers: concurrent long-poll loops.
         max_inflight_batches: received batches being processed at once (0 = 2 x pollers:
             with INGEST_RECEIVES_PER_BATCH each batch carries up to 30 messages).

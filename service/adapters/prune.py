@@ -32,7 +32,7 @@ What goes, and when (each retention is a setting, README "Retention"):
 Exactly-once depends on the first one: a request deleted while SQS can still deliver it
 again would be applied again. ``service.core.retention.check_retention`` refuses any retention
 that does not exceed the queue's ``MessageRetentionPeriod`` (the daemon at start, before
-each pass, and ``sqs-ingest prune``: ``service.prune_command``).
+each pass, and ``sqs-ingest prune``: ``service.ops.prune_command``).
 
 This module is the data access of a pass (asyncpg); the rule is ``service.core.retention``.
 

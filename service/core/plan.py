@@ -38,7 +38,7 @@ class Plan:
     acks: list[Received] = field(default_factory=list)  # delete once the letters are committed
     releases: list[tuple[Received, int]] = field(default_factory=list)  # visibility, last
     # Handed back through no fault of their own (contention, FIFO group blocked): near the
-    # queue's maxReceiveCount these are sent again as fresh copies (service.redrive).
+    # queue's maxReceiveCount these are sent again as fresh copies (service.ops.redrive).
     deferrals: list[tuple[Received, int]] = field(default_factory=list)
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (type label, outcome)
     # S3 objects of completed requests: deleted after the ack (INGEST_S3_DELETE_AFTER_ACK).
@@ -302,7 +302,7 @@ def plan_unresolved(
                             INVALID_TYPE_LABEL)
                 continue
             # Not the message's fault: a deferral (an S3 outage never pushes it to the
-            # queue's own DLQ; service.redrive), after the usual backoff.
+            # queue's own DLQ; service.ops.redrive), after the usual backoff.
             plan.defer(raw, policy.backoff(raw.receive_count))
             continue
         owner = known.get(r.pointer.uri) if r.pointer is not None \

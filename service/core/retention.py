@@ -1,7 +1,7 @@
 """The retention safety rule (pure): every retention that keeps a redelivery out must exceed
 the queue's ``MessageRetentionPeriod``, or SQS could redeliver a request after it was pruned
 and it would be applied again. Checked by the daemon at start and before each prune pass
-(``service.runtime.maintenance``) and by ``sqs-ingest prune`` (``service.prune_command``)."""
+(``service.runtime.maintenance``) and by ``sqs-ingest prune`` (``service.ops.prune_command``)."""
 
 from __future__ import annotations
 

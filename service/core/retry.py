@@ -94,7 +94,7 @@ class ReceiveLimit:
     SQS moves a message to the policy's dead-letter queue on the receive after
     ``maxReceiveCount``; the daemon must dead-letter an always-failing message itself before
     that, so its failure limit is ``min(INGEST_MAX_RECEIVE_COUNT, maxReceiveCount)`` and a
-    failure on the last receive SQS allows is final (``service.redrive`` for the rest)."""
+    failure on the last receive SQS allows is final (``service.ops.redrive`` for the rest)."""
 
     def __init__(self, configured: int, fifo: bool = False) -> None:
         self.configured = configured  # INGEST_MAX_RECEIVE_COUNT

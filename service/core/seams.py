@@ -153,7 +153,7 @@ class QueueSeam(Protocol):
         """Set visibilities; returns the message ids whose change failed."""
 
     async def requeue(self, changes: Sequence[tuple[Received, int]]) -> list[str]:
-        """Replace messages by fresh copies visible after their delays (service.redrive);
+        """Replace messages by fresh copies visible after their delays (service.ops.redrive);
         returns the message ids not replaced."""
 
     async def attributes(self) -> dict[str, str]:

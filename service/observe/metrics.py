@@ -58,7 +58,7 @@ contention_deferrals = Counter(
 )
 requeued = Counter(
     P + "requeued", "Messages deferred through no fault of their own and sent again as a fresh "
-    "copy, so the queue's RedrivePolicy does not count the deferral (service.redrive)",
+    "copy, so the queue's RedrivePolicy does not count the deferral (service.ops.redrive)",
     registry=REGISTRY,
 )
 receive_limit = Gauge(

@@ -197,7 +197,7 @@ class BatchProcessor:
         if res.failed:
             failures = [(m, describe(exc)) for m, exc in res.failed]
             # On SQS's last receive a failure is final whatever the count: the store
-            # dead-letters those at one failure (ReceiveLimit.exhausted, service.redrive).
+            # dead-letters those at one failure (ReceiveLimit.exhausted, service.ops.redrive).
             last = [f for f in failures if self.limit.last_receive(f[0].raw.receive_count)]
             counts = await self.store.record_failures(
                 [f for f in failures if f not in last], self.limit.max_failures)

@@ -85,7 +85,7 @@ class PlanExecutor:
     ) -> None:
         self.queue = queue
         self.store = store
-        self.limit = limit  # the queue's RedrivePolicy as last read (service.redrive)
+        self.limit = limit  # the queue's RedrivePolicy as last read (service.ops.redrive)
         # Claims of batches given back while the database was down (release_unreleased).
         self.unreleased: list[Message] = []
 

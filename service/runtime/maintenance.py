@@ -47,7 +47,7 @@ class Maintenance:
         self.holding = holding  # request_ids claimed by batches in flight (service.core.claims)
         self.started_at = started_at
         self.publisher = publisher
-        # The queue's RedrivePolicy, refreshed with the gauges (service.redrive).
+        # The queue's RedrivePolicy, refreshed with the gauges (service.ops.redrive).
         self.limit = limit
         self.sqs_ok = True  # the last SQS call (receive or GetQueueAttributes) worked
         self._oldest_sent: float | None = None

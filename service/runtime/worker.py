@@ -82,7 +82,7 @@ class Worker:
         self._background: list[asyncio.Task[None]] = []
         self.policy = RetryPolicy.from_settings(settings, rng)
         # INGEST_MAX_RECEIVE_COUNT lowered by the queue's RedrivePolicy: read by the batch
-        # path, kept current by maintenance (service.redrive).
+        # path, kept current by maintenance (service.ops.redrive).
         self.limit = ReceiveLimit(settings.max_receive_count, settings.is_fifo)
         metrics.receive_limit.set(self.limit.max_failures)
         self.health = DatabaseHealth(store, self._stop, self._database_back)
@@ -126,7 +126,7 @@ class Worker:
         self._done.set()
 
     async def _database_back(self) -> None:
-        # Claims stranded by the outage first: their copies are waiting (service.redrive).
+        # Claims stranded by the outage first: their copies are waiting (service.ops.redrive).
         await self.batches.executor.release_unreleased()
         await self.maintenance.gc_once()
 

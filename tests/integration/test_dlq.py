@@ -22,10 +22,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service import dlq
 from service.adapters.sql import queries
 from service.cli import _parser
-from service.dlq import AlreadyReplayed, Letter, NotFound, SendFailed
+from service.ops import dlq
+from service.ops.dlq import AlreadyReplayed, Letter, NotFound, SendFailed
 from tests.integration.conftest import make_settings
 
 BODY_WEIRD = 'not json {\u00e9\t"x":  1}\n  trailing spaces   \r\n\u2603'

@@ -786,7 +786,7 @@ async def test_driver_errors_leave_the_store_as_service_errors(
 ) -> None:
     """The store translates asyncpg's errors once, at the connection: a value the database
     refuses is DataRejected, any other failed statement DatabaseError, each with the
-    driver's error as its cause (what service.diagnose and the dead letters read)."""
+    driver's error as its cause (what service.ops.diagnose and the dead letters read)."""
     from service.core.plan import describe
     from service.errors import DatabaseError, DataRejected, PermanentError
 

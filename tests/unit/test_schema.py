@@ -15,8 +15,8 @@ import pytest
 
 from service.core.messages import Message, Received, parse
 from service.handlers import Registry, default_registry, load_reference_handlers
-from service.produce import sample_bodies
-from service.schema import document
+from service.ops.produce import sample_bodies
+from service.ops.schema import document
 
 ROOT = Path(__file__).resolve().parents[2]
 

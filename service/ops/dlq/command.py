@@ -12,7 +12,7 @@ import asyncpg
 import orjson
 
 from service.adapters.sqs import sqs_client
-from service.dlq.letters import (
+from service.ops.dlq.letters import (
     AlreadyReplayed,
     Letter,
     NotFound,
@@ -24,7 +24,7 @@ from service.dlq.letters import (
     replay_all,
     replay_one,
 )
-from service.dlq.sender import sqs_sender
+from service.ops.dlq.sender import sqs_sender
 from service.secrets import inert, inert_json, safe
 from service.settings import Settings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from service.dlq.letters import Letter, Send
+from service.ops.dlq.letters import Letter, Send
 
 FIFO_DEFAULT_GROUP = "dlq-replay"
 # SQS: MessageGroupId / MessageDeduplicationId are 1-128 chars of printable ASCII.

@@ -4,8 +4,8 @@ body back to the queue, ``command`` is ``sqs-ingest dlq list`` / ``dlq replay`` 
 
 from __future__ import annotations
 
-from service.dlq.command import main
-from service.dlq.letters import (
+from service.ops.dlq.command import main
+from service.ops.dlq.letters import (
     AlreadyReplayed,
     Letter,
     NotFound,
@@ -19,7 +19,7 @@ from service.dlq.letters import (
     replay_batch,
     replay_one,
 )
-from service.dlq.sender import sqs_sender
+from service.ops.dlq.sender import sqs_sender
 
 __all__ = [
     "AlreadyReplayed",
