@@ -1,6 +1,6 @@
 """What a handler author can do to the batch path, on the real PostgreSQL store: each test
 here is a bug found at that boundary (xfail strict until it is fixed). The batch runs
-through ``BatchProcessor`` over ``Store`` and an in-memory queue, as ``service.kit`` does,
+through ``BatchProcessor`` over ``Store`` and an in-memory queue, as ``service.testing.kit`` does,
 with redeliveries made by hand."""
 
 from __future__ import annotations

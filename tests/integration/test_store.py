@@ -903,7 +903,7 @@ async def test_a_connection_error_the_driver_has_not_seen_yet_is_an_outage(
     import subprocess
 
     from service.errors import DatabaseUnavailable
-    from service.kit import _pg_bin
+    from service.testing.kit import _pg_bin
 
     a = await registered(pool, "w-a")
 

@@ -1,7 +1,7 @@
 """The handler author's kit (public): test a handler through the daemon's real path.
 
-``pytest`` loads the fixtures (``service.pytest_plugin``, entry point ``pytest11``); this module
-is what they are made of, usable without pytest too:
+``pytest`` loads the fixtures (``service.testing.pytest_plugin``, entry point ``pytest11``); this
+module is what they are made of, usable without pytest too:
 
 - ``postgres_server()``: a throwaway PostgreSQL cluster (``initdb``) on a free loopback port;
 - ``Runner(dsn).run(bodies)``: bodies through receive -> parse -> claim -> apply -> complete

@@ -1,5 +1,5 @@
 """pytest fixtures for handler authors (entry point ``pytest11``: loaded wherever sqs-ingest is
-installed). They test a handler through the daemon's real batch path (service.kit):
+installed). They test a handler through the daemon's real batch path (service.testing.kit):
 
 - ``ingest_schema_sql`` — override it to return your tables' SQL (list of statements or
   files' text); it is applied once, after sqs-ingest's own migrations, to the template;
@@ -35,7 +35,7 @@ def ingest_schema_sql() -> list[str]:
 def ingest_postgres(ingest_schema_sql: list[str]) -> Iterator[Any]:
     import asyncio
 
-    from service.kit import create_template, postgres_server
+    from service.testing.kit import create_template, postgres_server
 
     with postgres_server() as pg:
         asyncio.run(create_template(pg, TEMPLATE, ingest_schema_sql))
@@ -75,7 +75,7 @@ async def ingest_database(ingest_database_factory: Callable[[], Awaitable[str]])
 
 @pytest.fixture
 def ingest_runner(ingest_database: str) -> Any:
-    from service.kit import Runner
+    from service.testing.kit import Runner
 
     return Runner(ingest_database)
 
@@ -83,7 +83,7 @@ def ingest_runner(ingest_database: str) -> Any:
 @pytest.fixture
 def ingest_lands_once(ingest_database_factory: Callable[[], Awaitable[str]]) -> Callable[
         ..., Awaitable[Any]]:
-    from service.kit import check_lands_once
+    from service.testing.kit import check_lands_once
 
     async def check(body: str, snapshot: Callable[[Any], Awaitable[Any]],
                     registry: Any = None) -> Any:
