@@ -8,15 +8,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import asyncpg
 from pydantic import BaseModel
 
 M = TypeVar("M", bound=BaseModel)
-HandlerFn = Callable[[Any, asyncpg.Connection], Awaitable[dict[str, Any] | None]]
+#: The ``asyncpg.Connection`` of the handler's transaction. Named, not imported: service.core
+#: imports no driver (asyncpg ships no type information, so mypy saw ``Any`` there anyway).
+Connection = Any
+HandlerFn = Callable[[Any, Connection], Awaitable[dict[str, Any] | None]]
 #: Batch form: [(request_id, payload), …] → results in the same order, or None to decline
 #: (the attempt is rolled back, then the messages run one by one through the plain function).
 BatchFn = Callable[
-    [list[tuple[str, Any]], asyncpg.Connection], Awaitable[list[dict[str, Any] | None] | None]
+    [list[tuple[str, Any]], Connection], Awaitable[list[dict[str, Any] | None] | None]
 ]
 
 
