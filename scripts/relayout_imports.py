@@ -3,8 +3,9 @@ service.runtime, service.adapters, service.observe, service.ops, service.testing
 
     python scripts/relayout_imports.py [ROOT]      # then: ruff check --fix --select I .
 
-What it rewrites, in the .py, .toml, .md, .sh, .yaml/.yml, .cfg, .ini, Makefile and
-Dockerfile files git knows of (tracked or untracked, not ignored):
+What it rewrites, in the .py, .toml, .md, .sh, .yaml/.yml, .cfg, .ini, .sql (not
+migrations/: applied ones are checksummed), Makefile and Dockerfile files git knows of
+(tracked or untracked, not ignored):
 
 - dotted names, in code and in strings (monkeypatch and mock targets, ``python -m``,
   entry points, import-linter contracts): ``service.store`` -> ``service.adapters.store``,
@@ -84,7 +85,7 @@ MOVES: dict[str, str] = {
 # old file -> new file, where the dotted name does not change
 PATH_ONLY: dict[str, str] = {"testing.py": "testing/fakes.py"}
 
-SUFFIXES = {".py", ".toml", ".md", ".sh", ".yaml", ".yml", ".cfg", ".ini"}
+SUFFIXES = {".py", ".toml", ".md", ".sh", ".yaml", ".yml", ".cfg", ".ini", ".sql"}
 NAMES = {"Makefile", "Dockerfile"}
 # This file names every old path on purpose; the mutation gate's tests use made-up names.
 EXCLUDE = {"scripts/relayout_imports.py", "tests/unit/test_mutation_gate.py"}
@@ -189,7 +190,8 @@ def candidates(root: Path) -> list[Path]:
     paths = []
     for rel in out.splitlines():
         p = root / rel
-        if rel in EXCLUDE or not p.is_file():
+        # migrations/ are checksummed once applied: not a byte of them changes
+        if rel in EXCLUDE or rel.startswith("migrations/") or not p.is_file():
             continue
         if p.suffix in SUFFIXES or p.name in NAMES:
             paths.append(p)

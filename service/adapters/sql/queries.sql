@@ -180,7 +180,7 @@ SELECT count(*) AS pending,
 
 -- name: outbox_prune
 -- Published rows past their retention, in short batches (never an unpublished row); one of
--- service/prune.py's steps (INGEST_RESULTS_RETENTION_DAYS).
+-- service/adapters/prune.py's steps (INGEST_RESULTS_RETENTION_DAYS).
 -- `= ANY(ARRAY(...))`, not `IN (...)`: as a semi-join the planner scans the whole table per
 -- batch (1 M rows: 232-246 ms a batch of 5,000 against 18-61 ms; bench/prune_batch_plans.py).
 DELETE FROM outbox
@@ -190,7 +190,7 @@ DELETE FROM outbox
                          FOR UPDATE SKIP LOCKED))
 
 -- name: register_worker
--- Also how a running worker whose row was pruned comes back (service.maintenance.beat);
+-- Also how a running worker whose row was pruned comes back (service.runtime.maintenance.beat);
 -- a row that exists (stopped or not) is left as it is.
 INSERT INTO workers (worker_id, worker_name, hostname, pid) VALUES ($1, $2, $3, $4)
 ON CONFLICT (worker_id) DO NOTHING
@@ -292,7 +292,7 @@ SELECT max(id) FROM dead_letters
 -- name: dlq_mark_replayed
 UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::bigint[]) RETURNING id
 
--- Retention (service/prune.py). Each statement deletes one short batch — the oldest $2
+-- Retention (service/adapters/prune.py). Each statement deletes one short batch — the oldest $2
 -- rows past the cutoff ($1 seconds before now), by the index migration 004 made for it —
 -- and is its own transaction. SKIP LOCKED: a row some session holds is left for the next
 -- pass, so the pruner never waits on ingestion; ingestion waits on the pruner only for a
