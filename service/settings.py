@@ -250,6 +250,9 @@ class Settings(BaseSettings):
     dead_letter_retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
     reconcile_retention_days: float = Field(90.0, gt=0, le=MAX_RETENTION_DAYS)
     worker_retention_days: float = Field(7.0, gt=0, le=MAX_RETENTION_DAYS)
+    # INGEST_TEST_CRASH_AT: the chaos tests' crash point (service.runtime.crashpoint); never
+    # set in a deployment.
+    test_crash_at: str | None = None
 
     @model_validator(mode="before")
     @classmethod
