@@ -14,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from service.core import labels
 from service.observe import metrics
 
-SERVICE = Path(metrics.__file__).parent
+SERVICE = Path(metrics.__file__).parents[1]  # service/, not service/observe/
 TYPES = ["entity.upsert", "entity.delete", "x.custom"]
 
 #: metric attribute in service.observe.metrics -> the label values it can take, per label, from
