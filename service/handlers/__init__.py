@@ -1,4 +1,11 @@
-"""Public extension point: ``from service.handlers import handler``."""
+"""Public extension point: ``from service.handlers import handler``.
+
+The handler API (``handler``, ``batch_handler``, ``Registry``, ``current_request_id``; the
+registry itself lives in service.core.registry, which the pure parser reads), how the runtime
+calls a handler (invoke) and the reference entity handlers (entities). It may import
+service.observe, service.core and the foundation; the runtime, the app and the test kit
+import it.
+"""
 
 from __future__ import annotations
 
