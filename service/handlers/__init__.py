@@ -1,6 +1,7 @@
 """Public extension point: ``from service.handlers import handler``.
 
-The handler API (``handler``, ``batch_handler``, ``Registry``, ``current_request_id``; the
+The handler API (``handler``, ``batch_handler``, ``Registry``, ``current_request_id``, the
+payload field types ``IndexedText`` and ``Int64`` from service.core.limits; the
 registry itself lives in service.core.registry, which the pure parser reads), how the runtime
 calls a handler (invoke) and the reference entity handlers (entities). It may import
 service.observe, service.core and the foundation; the runtime, the app and the test kit
@@ -9,6 +10,7 @@ import it.
 
 from __future__ import annotations
 
+from service.core.limits import IndexedText, Int64
 from service.core.registry import (
     HandlerSpec,
     Registry,
@@ -28,6 +30,8 @@ def load_reference_handlers() -> None:
 
 __all__ = [
     "HandlerSpec",
+    "IndexedText",
+    "Int64",
     "Registry",
     "batch_handler",
     "current_attributes",
