@@ -28,7 +28,12 @@ from service.ops import diagnose
 from service.runtime import crashpoint
 from service.runtime.results import Publisher
 from service.runtime.worker import EXIT_FATAL, Worker
-from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings
+from service.settings import (
+    CONTROL_POOL_SIZE,
+    MIN_VISIBILITY_TIMEOUT,
+    Settings,
+    crash_point_from_env,
+)
 
 log = structlog.get_logger("sqs_ingest.app")
 
@@ -82,7 +87,7 @@ async def _retry(
 
 
 async def run(settings: Settings, early_signals: list[int] | None = None) -> int:
-    crashpoint.arm(settings.test_crash_at)  # tests only; None in a deployment
+    crashpoint.arm(crash_point_from_env())  # tests only; None in a deployment
     load_reference_handlers()
     load_handler_modules(settings.handler_modules)  # already imported by the CLI: cached
     state = _Startup()

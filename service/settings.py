@@ -250,9 +250,6 @@ class Settings(BaseSettings):
     dead_letter_retention_days: float = Field(30.0, gt=0, le=MAX_RETENTION_DAYS)
     reconcile_retention_days: float = Field(90.0, gt=0, le=MAX_RETENTION_DAYS)
     worker_retention_days: float = Field(7.0, gt=0, le=MAX_RETENTION_DAYS)
-    # INGEST_TEST_CRASH_AT: the chaos tests' crash point (service.runtime.crashpoint); never
-    # set in a deployment.
-    test_crash_at: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -457,3 +454,11 @@ def reconcile_peers_from_env(environ: Mapping[str, str] | None = None) -> list[s
 def peer_lines(text: str) -> list[str]:
     lines = [line.strip() for line in text.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
+
+
+def crash_point_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """``INGEST_TEST_CRASH_AT``: where the chaos tests make the daemon kill itself
+    (service.runtime.crashpoint; tests/acceptance/test_crash_point.py). A variable of the test
+    harness, not a setting: never set in a deployment. Unset or empty: None."""
+    env = os.environ if environ is None else environ
+    return env.get(f"{ENV_PREFIX}TEST_CRASH_AT") or None
