@@ -3,6 +3,9 @@ service.runtime, service.adapters, service.observe, service.ops, service.testing
 
     python scripts/relayout_imports.py [ROOT]      # then: ruff check --fix --select I .
 
+After merging a branch written against the flat layout: resolve each conflicting import
+block with that branch's (flat) lines, run this, then ``ruff check --fix --select I``.
+
 What it rewrites, in the .py, .toml, .md, .sh, .yaml/.yml, .cfg, .ini, .sql (not
 migrations/: applied ones are checksummed), Makefile and Dockerfile files git knows of
 (tracked or untracked, not ignored):
