@@ -102,10 +102,10 @@ def _pct(values: list[float], q: float) -> float:
 
 async def store_latency(dsn: str, tag: str, batches: int) -> dict[str, Any]:
     """Claim + complete of ``batches`` batches of ten new requests, the daemon's code."""
+    from service.adapters.store import Store, create_pool
+    from service.core.messages import Message, Received, parse
     from service.handlers import default_registry, load_reference_handlers
     from service.handlers.invoke import Invoker
-    from service.messages import Message, Received, parse
-    from service.store import Store, create_pool
 
     load_reference_handlers()
     invoker = Invoker(default_registry)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import asyncpg  # noqa: E402
 import boto3  # noqa: E402
 
-from service.migrate import migrate  # noqa: E402
+from service.adapters.migrate import migrate  # noqa: E402
 from tests.acceptance.chaos_handlers import LEDGER_DDL  # noqa: E402
 from tests.acceptance.harness import Daemon, daemon_env, ledger  # noqa: E402
 from tests.servers import localstack_server, postgres_server, wait_until  # noqa: E402

@@ -5,7 +5,7 @@ bytes of RSS each raw byte of a message costs while it is in flight.
 
 For each shape (a base64 blob string, a list of small records, nested ``[]``) a fresh
 process reads the raw bytes (as from S3), parses them as the daemon does
-(``service.messages.parse``: orjson + the entity.upsert pydantic model + the canonical JSON
+(``service.core.messages.parse``: orjson + the entity.upsert pydantic model + the canonical JSON
 for the hash) and encodes the jsonb argument the handler sends (orjson), keeping every
 intermediate alive, as a batch does until its commit. Reported: peak RSS growth (ru_maxrss)
 over the raw size. The multiplier sizes INGEST_MAX_INFLIGHT_BYTES (README "Memory").
@@ -44,9 +44,9 @@ def build(shape: str, size: int) -> bytes:
 def child(path: str) -> None:
     import orjson
 
+    from service.core.messages import Message, Received, parse
+    from service.core.pointers import Fetched, Pointer
     from service.handlers import default_registry, load_reference_handlers
-    from service.messages import Message, Received, parse
-    from service.pointers import Fetched, Pointer
 
     load_reference_handlers()
     parse(Received("m", "h", '{"request_id":"w","type":"entity.upsert","payload":{'

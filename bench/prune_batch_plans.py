@@ -19,7 +19,7 @@ import time
 
 import asyncpg
 
-from service.kit import create_template
+from service.testing.kit import create_template
 from tests.servers import Postgres, postgres_server
 
 ROWS = int(os.environ.get("ROWS", "1000000"))

@@ -44,7 +44,7 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.migrate import migrate  # noqa: E402
+from service.adapters.migrate import migrate  # noqa: E402
 from tests.servers import postgres_server  # noqa: E402
 
 RUN_DATE = "2024-05-01"

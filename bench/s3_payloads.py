@@ -80,7 +80,7 @@ def preload(endpoint: str, bucket: str, url: str, run: str, n: int, size: int) -
 async def _database(admin_dsn: str, dsn: str, name: str) -> None:
     import asyncpg
 
-    from service.migrate import migrate
+    from service.adapters.migrate import migrate
 
     conn = await asyncpg.connect(admin_dsn)
     await conn.execute(f'CREATE DATABASE "{name}"')

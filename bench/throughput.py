@@ -239,7 +239,7 @@ def queue_depth(endpoint: str, url: str) -> int:
 
 
 async def _send_all(endpoint: str, url: str, bodies: list[str], concurrency: int = 16) -> None:
-    from service.sqs import sqs_client
+    from service.adapters.sqs import sqs_client
 
     async with sqs_client(REGION, endpoint, max_pool_connections=concurrency + 4) as client:
         chunks = [bodies[i:i + 10] for i in range(0, len(bodies), 10)]
@@ -410,7 +410,7 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 async def _ceiling_main(endpoint: str, url: str, n: int, pollers: int, inflight: int) -> dict:
     """The daemon's receive/ack skeleton with nothing in between: the SQS-only ceiling."""
-    from service.sqs import SqsQueue, sqs_client
+    from service.adapters.sqs import SqsQueue, sqs_client
 
     deleted = 0
     first = last = 0.0
@@ -799,7 +799,7 @@ def new_database(env: Env, name: str, tree: CodeTree | None = None) -> str:
     ``python -m service migrate`` (the schema the code in that tree expects)."""
     import asyncpg
 
-    from service.migrate import migrate
+    from service.adapters.migrate import migrate
 
     dsn = str(env.pg_dsn(name))
 
@@ -1053,7 +1053,7 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
 def _soak(env: Env, url: str, port: int, pid: int, s: Sampler, counter: CountPoller,
           seconds: float, rate: int) -> dict[str, Any]:
     """Steady load: ``rate`` msg/s for ``seconds``; RSS after warm-up and at the end."""
-    from service.sqs import sqs_client
+    from service.adapters.sqs import sqs_client
 
     warmup = min(30.0, seconds / 10)
     marks: dict[str, Any] = {}

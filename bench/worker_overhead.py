@@ -26,10 +26,10 @@ import asyncio, collections, json, logging, sys, time, uuid
 import structlog
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
-from service.messages import Received
+from service.core.messages import Received
 from service.settings import Settings
-from service.store import ApplyResult, ClaimResult
-from service.worker import Worker
+from service.adapters.store import ApplyResult, ClaimResult
+from service.runtime.worker import Worker
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 N = int(sys.argv[1])

@@ -4,7 +4,7 @@
 Every setting comes from ``Settings`` (its fields, defaults, bounds and the ``Attributes:``
 section of its docstring), every metric from the Prometheus registry, every command and flag
 from the argument parsers, every exit code from the ``EXIT_*`` constants of the package, every
-dead-letter reason from ``service.labels`` and the message schema from ``sqs-ingest schema``.
+dead-letter reason from ``service.core.labels`` and the message schema from ``sqs-ingest schema``.
 ``make docs`` runs it before ``mkdocs build``; tests/unit/test_docs_reference.py fails when a
 committed page differs from what this prints, or when something has no description here.
 
@@ -154,7 +154,7 @@ def settings_page() -> str:
 
 # ---------------------------------------------------------------- metrics
 def metrics_page() -> str:
-    metrics = _import_any("service.observe.metrics", "service.metrics")
+    metrics = _import_any("service.observe.metrics", "service.observe.metrics")
     rows = []
     for collector in sorted(metrics.REGISTRY._collector_to_names, key=_collector_key):
         for family in collector.describe() if hasattr(collector, "describe") else []:
@@ -268,7 +268,7 @@ def exit_codes_page() -> str:
 
 # ---------------------------------------------------------------- dead-letter reasons
 def reasons_page() -> str:
-    labels = _import_any("service.core.labels", "service.labels")
+    labels = _import_any("service.core.labels", "service.core.labels")
     rows = []
     for reason in labels.DEAD_LETTER_REASONS:
         meaning = REASON_MEANINGS.get(reason)

@@ -12,22 +12,29 @@ import asyncpg
 import structlog
 from aiobotocore.session import get_session
 
-from service import diagnose, metrics
+from service.adapters.identity import ecs_worker_name
+from service.adapters.migrate import check_schema
+from service.adapters.payloads import S3Payloads, s3_client
+from service.adapters.pgerrors import CONNECTION_ERRORS
+from service.adapters.sinks import results_sink
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.adapters.store import Store, create_pool
+from service.core.retention import RetentionRefused, check_retention, queue_retention
+from service.core.retry import Backoff
 from service.envelope import Envelope
 from service.errors import DatabaseError, SchemaBehind, TransientError, driver_error
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
-from service.identity import ecs_worker_name
-from service.migrate import check_schema
-from service.payloads import S3Payloads, s3_client
-from service.pgerrors import CONNECTION_ERRORS
-from service.results import Publisher
-from service.retention import RetentionRefused, check_retention, queue_retention
-from service.retry import Backoff
-from service.settings import CONTROL_POOL_SIZE, MIN_VISIBILITY_TIMEOUT, Settings
-from service.sinks import results_sink
-from service.sqs import SqsQueue, sqs_client
-from service.store import Store, create_pool
-from service.worker import EXIT_FATAL, Worker
+from service.observe import metrics
+from service.ops import diagnose
+from service.runtime import crashpoint
+from service.runtime.results import Publisher
+from service.runtime.worker import EXIT_FATAL, Worker
+from service.settings import (
+    CONTROL_POOL_SIZE,
+    MIN_VISIBILITY_TIMEOUT,
+    Settings,
+    crash_point_from_env,
+)
 
 log = structlog.get_logger("sqs_ingest.app")
 
@@ -81,6 +88,7 @@ async def _retry(
 
 
 async def run(settings: Settings, early_signals: list[int] | None = None) -> int:
+    crashpoint.arm(crash_point_from_env())  # tests only; None in a deployment
     load_reference_handlers()
     load_handler_modules(settings.handler_modules)  # already imported by the CLI: cached
     state = _Startup()
@@ -153,7 +161,7 @@ def _visibility_timeout(settings: Settings, attrs: dict[str, str]) -> int:
 async def _named(settings: Settings) -> Settings:
     if not settings.worker_name:
         # On ECS: the task and container (unique, kept by an in-place restart), so a
-        # restart releases its previous incarnation's claims at once (service.identity).
+        # restart releases its previous incarnation's claims at once (service.adapters.identity).
         ecs_name = await asyncio.to_thread(ecs_worker_name)
         if ecs_name:
             settings = settings.model_copy(update={"worker_name": ecs_name})

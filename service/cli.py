@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sqs-ingest: {safe(line)}", file=sys.stderr)
         return EXIT_CONFIG
 
-    from service.logs import configure_logging
+    from service.observe.logs import configure_logging
 
     configure_logging(settings.log_format, settings.log_level, trace_ids=settings.tracing)
     if args.command == "run":
@@ -123,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(settings: Settings) -> int:
     """The daemon: the handler modules imported, tracing set up if asked, app.run."""
-    from service import app, diagnose
+    from service import app
+    from service.ops import diagnose
 
     if (failed := _load_handlers(settings)) is not None:
         return failed
+    from service.adapters.migrate import installed_packages
     from service.errors import ConfigError
-    from service.migrate import installed_packages
     from service.secrets import safe
 
     try:
@@ -139,7 +140,8 @@ def _run(settings: Settings) -> int:
     if not settings.tracing:
         return diagnose.guard(settings, lambda: _run_async(
             app.run(settings, early_signals=_early_signals)))
-    from service import __version__, tracing
+    from service import __version__
+    from service.observe import tracing
 
     try:
         tracing.setup(settings.queue_url, __version__)
@@ -160,27 +162,27 @@ def _command(settings: Settings, args: argparse.Namespace) -> int:
     if args.command == "gc":
         return _run_async(_gc(settings))
     if args.command == "grants":
-        from service import grants
+        from service.ops import grants
 
         return _run_async(grants.main(settings.database_dsn, settings.database_redacted,
                                       args.role, args.apply))
     if args.command == "prune":
-        from service import prune_command
+        from service.ops import prune_command
 
         return _run_async(prune_command.command(settings, args.dry_run,
                                         queue_url_set=settings.queue_url != NO_QUEUE))
     if args.command == "dlq":
-        from service import dlq
+        from service.ops import dlq
 
         return _run_async(dlq.main(settings, args))
     if args.command == "redrive":
-        from service import redrive
+        from service.ops import redrive
 
         return _run_async(redrive.main(settings, args.dry_run))
     if args.command in ("schema", "handlers"):
         return _describe(settings, args.command)
     if args.command == "produce":
-        from service import produce
+        from service.ops import produce
 
         return _run_async(produce.main(settings, args.count, args.seed))
     raise AssertionError(args.command)
@@ -234,8 +236,8 @@ def _describe(settings: Settings, command: str) -> int:
     """The registry the daemon would run with: reference handlers + INGEST_HANDLERS."""
     import json
 
-    from service import schema
     from service.handlers import default_registry, load_reference_handlers
+    from service.ops import schema
 
     load_reference_handlers()
     if (failed := _load_handlers(settings)) is not None:
@@ -260,13 +262,13 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _migrate(settings: Settings) -> int:
     import asyncpg
 
+    from service.adapters.migrate import migrate
     from service.errors import (
         ConfigError,
         HandlerMigrationChanged,
         MigrationBlocked,
         MigrationChanged,
     )
-    from service.migrate import migrate
     from service.secrets import safe
 
     try:
@@ -296,9 +298,9 @@ async def _migrate(settings: Settings) -> int:
 async def _gc(settings: Settings) -> int:
     import asyncpg
 
+    from service.adapters.store import Store, create_pool
     from service.errors import DatabaseError, driver_error
     from service.secrets import safe
-    from service.store import Store, create_pool
 
     try:
         pool = await create_pool(settings.database_dsn, 2)

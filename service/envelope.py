@@ -1,7 +1,7 @@
 """Where a message's request_id, type and payload are read from: the standard envelope
 ``{"request_id", "type", "payload"}`` by default, or an existing producer's layout (a dotted
 path into the body, a message attribute, a constant type per queue). A leaf: values only.
-``service.messages`` applies it; the hostile-input checks run on the mapped fields."""
+``service.core.messages`` applies it; the hostile-input checks run on the mapped fields."""
 
 from __future__ import annotations
 

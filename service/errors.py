@@ -3,7 +3,7 @@
 
 The adapters translate their drivers' errors into these once, where they happen: the store
 turns asyncpg's into ``DatabaseUnavailable`` / ``DataRejected`` / ``DatabaseError`` at the
-connection (the driver's error stays the ``__cause__``: ``service.diagnose`` reads it), the
+connection (the driver's error stays the ``__cause__``: ``service.ops.diagnose`` reads it), the
 queue and the S3 client turn botocore's into ``TransientError`` / ``AckFailed``. Nothing
 above the adapters imports a driver's exceptions (the import-linter contract in
 pyproject.toml).

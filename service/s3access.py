@@ -1,5 +1,5 @@
 """Which S3 objects the daemon may read: the operator's allow-list (``INGEST_S3_BUCKETS``,
-SPEC §6). Pure values, no I/O: settings validate with it, ``service.payloads`` applies it
+SPEC §6). Pure values, no I/O: settings validate with it, ``service.adapters.payloads`` applies it
 before any S3 call."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import asyncpg
 import boto3
 import pytest
 
-from service.kit import create_template
+from service.testing.kit import create_template
 from tests.servers import Postgres, localstack_server, moto_server, postgres_server
 from tests.watchdog import bounded
 

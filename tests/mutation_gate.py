@@ -54,7 +54,7 @@ def load(root: Path) -> dict[str, int | None]:
 
 
 def function_of(mutant: str) -> tuple[str, str]:
-    """('service.store', 'Store.apply') of 'service.store.xǁStoreǁapply__mutmut_3'."""
+    """('service.adapters.store', 'Store.apply') of 'service.adapters.store.xǁStoreǁapply__mutmut_3'."""
     mangled = mutant.partition("__mutmut_")[0]
     module, _, name = mangled.rpartition(".")
     if name.startswith("x" + SEP):
@@ -126,8 +126,13 @@ def mutated_modules(pyproject: Path = Path("pyproject.toml")) -> list[str]:
 
 
 def changed_lines(base: str, path: str) -> set[int]:
-    diff = subprocess.run(["git", "diff", "-U0", base, "--", path], capture_output=True,
-                          text=True, check=True).stdout
+    """The lines of ``path`` changed since ``base``. A file moved since then (``git mv``) is
+    compared with its old path, so a move alone changes no line."""
+    whole = subprocess.run(["git", "diff", "-U0", "-M", base], capture_output=True,
+                           text=True, check=True).stdout
+    mine = re.compile(rf"^(\+\+\+ b/|rename to ){re.escape(path)}$", re.MULTILINE)
+    diff = "".join(part for part in re.split(r"^(?=diff --git )", whole, flags=re.MULTILINE)
+                   if mine.search(part))
     lines: set[int] = set()
     for m in re.finditer(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", diff, re.MULTILINE):
         start, count = int(m.group(1)), int(m.group(2) or 1)

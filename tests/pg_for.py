@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from service.kit import create_template
+from service.testing.kit import create_template
 from tests.servers import Postgres, postgres_server
 
 TEMPLATE_DB = "ingest_template"  # tests/conftest.py's

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The PostgreSQL launcher is the handler author's kit's (service.kit): one implementation.
-from service.kit import (  # noqa: F401  (re-exported to the suites)
+# The PostgreSQL launcher is the handler author's kit's (service.testing.kit): one implementation.
+from service.testing.kit import (  # noqa: F401  (re-exported to the suites)
     Postgres,
     _pg_bin,
     _run_as_postgres,

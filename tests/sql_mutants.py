@@ -1,7 +1,7 @@
-"""Hand-written mutations of the named SQL in service/sql/queries.sql, and the pytest
+"""Hand-written mutations of the named SQL in service/adapters/sql/queries.sql, and the pytest
 plugin that injects one: ``INGEST_TEST_SQL_MUTANT=<id> pytest -p tests.sql_mutants ...``.
 
-``service.sql.queries()`` is cached and every module keeps the same dict (``Q =
+``service.adapters.sql.queries()`` is cached and every module keeps the same dict (``Q =
 queries()``), so the plugin edits that dict in place before any test runs: the file itself
 is never touched. Each mutant names its query, the exact text it replaces (which must occur
 once: a mutant that no longer applies fails the harness instead of passing unmutated) and
@@ -17,7 +17,7 @@ from typing import IO
 
 import pytest
 
-from service.sql import queries
+from service.adapters.sql import queries
 from tests.watchdog import bounded
 
 STORE = "tests/integration/test_store.py"

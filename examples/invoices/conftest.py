@@ -10,7 +10,7 @@ import importlib.metadata
 import invoices.handlers  # noqa: F401  (registers invoice.created, as its entry point would)
 import pytest
 
-from service.kit import handler_migrations
+from service.testing.kit import handler_migrations
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,13 @@
-"""Public extension point: ``from service.handlers import handler``."""
+"""The public surface for handler authors: ``from service.handlers import handler``, the
+batch form, the request's context (``current_request_id``, ``current_attributes``) and the
+payload field types ``IndexedText`` and ``Int64`` (what PostgreSQL accepts, checked at the
+door). With ``service.testing`` (the test kit) this is everything a handler author imports;
+every other module of ``service`` is internal."""
 
 from __future__ import annotations
 
-from service.handlers.context import current_attributes, current_request_id, request_context
-from service.handlers.registry import (
+from service.core.limits import IndexedText, Int64
+from service.core.registry import (
     HandlerConflict,
     HandlerLoadError,
     HandlerSpec,
@@ -14,6 +18,7 @@ from service.handlers.registry import (
     handler,
     load_handler_modules,
 )
+from service.handlers.context import current_attributes, current_request_id, request_context
 
 
 def load_reference_handlers() -> None:
@@ -26,6 +31,8 @@ __all__ = [
     "HandlerConflict",
     "HandlerLoadError",
     "HandlerSpec",
+    "IndexedText",
+    "Int64",
     "Registry",
     "TypedHandlerFn",
     "batch_handler",

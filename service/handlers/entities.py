@@ -13,9 +13,9 @@ import asyncpg
 import orjson
 from pydantic import BaseModel
 
+from service.core.limits import IndexedText, Int64
+from service.core.registry import batch_handler, handler
 from service.handlers.context import current_request_id
-from service.handlers.registry import batch_handler, handler
-from service.limits import IndexedText, Int64
 
 
 class EntityUpsert(BaseModel):

@@ -8,11 +8,11 @@ from typing import Any
 
 import structlog
 
-from service import tracing
+from service.core.messages import Message
+from service.core.registry import Registry
+from service.core.seams import Batching
 from service.handlers.context import request_context
-from service.handlers.registry import Registry
-from service.messages import Message
-from service.seams import Batching
+from service.observe import tracing
 
 
 class HandlerCancelled(Exception):

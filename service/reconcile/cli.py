@@ -14,7 +14,7 @@ import sys
 
 import structlog
 
-from service.logs import configure_logging
+from service.observe.logs import configure_logging
 from service.reconcile import preflight
 from service.reconcile.metrics import RunMetrics
 from service.reconcile.parser import EXIT_CONFIG, Args, UsageError, build_parser, yesterday

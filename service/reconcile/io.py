@@ -304,7 +304,7 @@ def read_entity_modifications(spark: SparkSession, db: Database, partitions: int
     whitespace), so equal documents hash equal, and the shuffle stays small.
 
     A checkpoint row is the winner of replay_entities' order among the entity's pruned
-    modifications (service/prune.py writes it in the transaction that deletes them, under
+    modifications (service/adapters/prune.py writes it in the transaction that deletes them, under
     its original id). The winner of a union is the winner of the winners, so the replay
     over checkpoints plus what remains equals the replay over the whole history.
     """

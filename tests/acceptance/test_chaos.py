@@ -162,7 +162,7 @@ async def test_three_replicas_one_killed_repeatedly(
 async def test_database_outage_mid_stream(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, tmp_path: Path
 ) -> None:
-    from service.migrate import migrate
+    from service.adapters.migrate import migrate
 
     queue_url = make_queue()
     with postgres_server() as pg, FaultProxy(sqs_endpoint, latency_ms=40) as proxy:

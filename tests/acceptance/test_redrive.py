@@ -154,7 +154,7 @@ def recent_events(d: Daemon, n: int = 25) -> str:
 async def test_contention_and_an_outage_push_nothing_into_the_sqs_dlq(
     sqs: Any, localstack: str, spawn: Callable[..., Daemon], tmp_path: Path
 ) -> None:
-    from service.migrate import migrate
+    from service.adapters.migrate import migrate
 
     src, dlq = queue_with_dlq(sqs)
     with postgres_server() as pg:

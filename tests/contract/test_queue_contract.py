@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 import pytest
 
-from service.messages import Received
-from service.seams import QueueSeam
-from service.sqs import SqsQueue, sqs_client
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.core.messages import Received
+from service.core.seams import QueueSeam
 from service.testing import FakeQueue
 
 ATTRS = {"tenant": {"DataType": "String", "StringValue": "acme"}}

@@ -14,10 +14,10 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
+from service.adapters.store import Store, create_pool
+from service.core.messages import Message, Received
+from service.core.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
 from service.errors import DatabaseError
-from service.messages import Message, Received
-from service.seams import DeadLetter, OutboxRow, OutboxSeam, StoreSeam
-from service.store import Store, create_pool
 from service.testing import FakeDatabase, FakeStore, FakeWorker
 from tests.conftest import fresh_database
 from tests.servers import Postgres
@@ -30,7 +30,7 @@ class Note(BaseModel):
 def msg(rid: str, n: int = 1, mid: str | None = None, group: str | None = None,
         seq: int | None = None, type_: str = "note") -> Message:
     payload = {"n": n}
-    # Independent of service.messages.payload_hash: the sorted compact JSON, hashed here.
+    # Independent of service.core.messages.payload_hash: the sorted compact JSON, hashed here.
     digest = hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
     raw = Received(mid or f"m-{rid}-{n}", "rh", json.dumps(payload), 1, None, group,
                    sequence_number=seq)
@@ -190,9 +190,9 @@ class RealBackend:
             await self.outbox_pool.close()
 
     async def prune_outbox(self, retention_days: float, limit: int) -> int:
-        """One batch of the pruner's outbox step (service.prune; the store no longer
+        """One batch of the pruner's outbox step (service.adapters.prune; the store no longer
         deletes published rows itself), in its own transaction as a pass runs it."""
-        from service.prune import STEPS, delete_batch
+        from service.adapters.prune import STEPS, delete_batch
         from service.settings import Settings
 
         step = next(s for s in STEPS if s.table == "outbox")
@@ -544,7 +544,7 @@ async def test_a_standard_destination_does_not_hold_a_group_behind_a_held_row(
 
 
 async def test_the_destination_gets_each_outcome_whole(backend: Backend) -> None:
-    """What the publisher turns into the result message (service.results): every field of
+    """What the publisher turns into the result message (service.runtime.results): every field of
     the row, for a completion and for a dead letter."""
     from datetime import datetime
 
@@ -647,8 +647,8 @@ async def test_a_lost_claim_blocks_nothing_on_a_standard_queue(backend: Backend)
 
 def offloaded(rid: str, key: str, attributes: dict[str, Any] | None = None) -> Message:
     """A message whose payload came from S3 (``key``), with message attributes."""
-    from service import attributes as attrs
-    from service.pointers import Pointer
+    from service.core import attributes as attrs
+    from service.core.pointers import Pointer
 
     m = msg(rid)
     m.pointer = Pointer("payloads", key)
@@ -700,8 +700,8 @@ async def test_attributes_with_nul_characters_and_binary_values_are_stored(
     """jsonb cannot hold U+0000: an attribute carrying one (an SNS envelope is whatever the
     producer wrote into the body; SQS's own checks vary by emulator) must not fail the
     batch's claim. Parsed from a real-shaped delivery, claimed, read back."""
+    from service.core.messages import parse
     from service.handlers import Registry
-    from service.messages import parse
 
     reg = Registry()
     reg.register("note", Note, ok)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service import metrics
+from service.observe import metrics
 from service.settings import ENV_PREFIX, load_settings
 from tests.deploy.test_static import (
     DEPLOY,

@@ -529,7 +529,7 @@ def _exported(registry: Any) -> set[str]:
 
 def test_daemon_exports_the_metric_contract() -> None:
     # An ImportError of the module under test is a failure, never a reason to skip.
-    from service.metrics import REGISTRY
+    from service.observe.metrics import REGISTRY
 
     missing = CONTRACT_METRICS - _exported(REGISTRY)
     assert not missing, f"the daemon does not export contract metrics: {missing}"
@@ -538,7 +538,7 @@ def test_daemon_exports_the_metric_contract() -> None:
 def test_alerts_use_only_exported_metrics() -> None:
     """An alert on a misspelt or removed metric never fires: check every name against
     the registries the daemon and the reconcile sidecar really build."""
-    from service.metrics import REGISTRY
+    from service.observe.metrics import REGISTRY
     from service.reconcile.metrics import RunMetrics
 
     exported = _exported(REGISTRY) | _exported(RunMetrics().registry) | {"up"}

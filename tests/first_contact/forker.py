@@ -21,14 +21,15 @@ import sys
 import time
 import traceback
 
+import service.adapters.migrate
+import service.adapters.prune
+
 # The commands' own imports, paid once here, before any fork.
 import service.app
 import service.cli
-import service.dlq
-import service.migrate
-import service.prune
+import service.ops.dlq
+import service.ops.redrive
 import service.reconcile.cli
-import service.redrive
 
 
 def child(req: dict[str, object]) -> None:

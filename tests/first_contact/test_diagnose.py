@@ -8,8 +8,8 @@ import errno
 import asyncpg
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from service import diagnose
 from service.errors import DatabaseUnavailable, TransientError
+from service.ops import diagnose
 
 
 def _wrapped(exc: BaseException) -> TransientError:

@@ -5,11 +5,11 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.adapters.store import Store, create_pool
 from service.handlers import Registry, default_registry, load_reference_handlers
+from service.runtime.worker import Worker
 from service.settings import Settings
-from service.sqs import SqsQueue, sqs_client
-from service.store import Store, create_pool
-from service.worker import Worker
 
 
 def make_settings(queue_url: str, database_url: str, endpoint: str, **over: Any) -> Settings:

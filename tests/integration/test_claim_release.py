@@ -14,14 +14,14 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from service.batch import BatchProcessor
-from service.dbhealth import DatabaseHealth
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.adapters.store import Store, create_pool
+from service.core.messages import Message, Received
+from service.core.retry import ReceiveLimit, RetryPolicy
+from service.core.seams import ApplyResult, Batching, HandlerCall
 from service.handlers import Registry, current_request_id
-from service.messages import Message, Received
-from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import ApplyResult, Batching, HandlerCall
-from service.sqs import SqsQueue, sqs_client
-from service.store import Store, create_pool
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 
 
 class P(BaseModel):

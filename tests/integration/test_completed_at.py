@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service.store import Store, create_pool
+from service.adapters.store import Store, create_pool
 from tests.integration.test_store import msg
 
 

@@ -130,7 +130,7 @@ def declared_labels() -> dict[str, set[str]]:
     in this run (a labelled counter with no child yet)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    import service.metrics as metrics
+    import service.observe.metrics as metrics
 
     out: dict[str, set[str]] = {}
     for obj in vars(metrics).values():

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from service.sql import queries
-from service.store import DeadLetter, Store, _dead_letter_args, create_pool
+from service.adapters.sql import queries
+from service.adapters.store import DeadLetter, Store, _dead_letter_args, create_pool
 
 Q = queries()
 

@@ -22,10 +22,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service import dlq
+from service.adapters.sql import queries
 from service.cli import _parser
-from service.dlq import AlreadyReplayed, Letter, NotFound, SendFailed
-from service.sql import queries
+from service.ops import dlq
+from service.ops.dlq import AlreadyReplayed, Letter, NotFound, SendFailed
 from tests.integration.conftest import make_settings
 
 BODY_WEIRD = 'not json {\u00e9\t"x":  1}\n  trailing spaces   \r\n\u2603'
@@ -229,8 +229,8 @@ async def test_replay_to_fifo_queue_keeps_the_original_message_group(
 ) -> None:
     """A FIFO message dead-lettered by the daemon goes back into the group it came from
     (its followers and its replay stay in one order), not into a group named after it."""
-    from service.seams import DeadLetter
-    from service.store import Store, create_pool
+    from service.adapters.store import Store, create_pool
+    from service.core.seams import DeadLetter
 
     pool = await create_pool(database_url, 2)
     try:

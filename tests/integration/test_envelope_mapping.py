@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from service.envelope import Envelope
 from service.handlers import Registry
-from service.kit import Runner, create_template, postgres_server
+from service.testing.kit import Runner, create_template, postgres_server
 
 
 class Order(BaseModel):

@@ -17,13 +17,13 @@ import boto3
 from aiobotocore.session import get_session
 from pydantic import BaseModel
 
+from service.adapters.payloads import S3Payloads, s3_client
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.adapters.store import Store, create_pool
+from service.core.messages import Received
 from service.handlers import Registry, current_request_id
-from service.messages import Received
-from service.payloads import S3Payloads, s3_client
+from service.runtime.worker import Worker
 from service.settings import Settings
-from service.sqs import SqsQueue, sqs_client
-from service.store import Store, create_pool
-from service.worker import Worker
 from tests.integration.conftest import eventually, make_settings
 
 CURRENT = "software.amazon.payloadoffloading.PayloadS3Pointer"

@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from service.batch import BatchProcessor
-from service.dbhealth import DatabaseHealth
+from service.adapters.store import Store, create_pool
+from service.core.messages import Message
+from service.core.retry import ReceiveLimit, RetryPolicy
+from service.core.seams import ClaimResult
 from service.handlers import default_registry, load_reference_handlers
-from service.messages import Message
-from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import ClaimResult
-from service.store import Store, create_pool
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue
 
 REASONS: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """What a handler author can do to the batch path, on the real PostgreSQL store: each test
 here is a bug found at that boundary (xfail strict until it is fixed). The batch runs
-through ``BatchProcessor`` over ``Store`` and an in-memory queue, as ``service.kit`` does,
+through ``BatchProcessor`` over ``Store`` and an in-memory queue, as ``service.testing.kit`` does,
 with redeliveries made by hand."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from service.batch import BatchProcessor
-from service.dbhealth import DatabaseHealth
+from service.adapters.store import Store, create_pool
+from service.core.retry import ReceiveLimit, RetryPolicy
 from service.handlers import Registry, current_request_id
-from service.retry import ReceiveLimit, RetryPolicy
-from service.store import Store, create_pool
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue
 
 

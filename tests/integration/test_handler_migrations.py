@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service.migrate import migrate
+from service.adapters.migrate import migrate
 from tests.acceptance.harness import Daemon, daemon_env, send_all, wait_drained
 from tests.handler_package import install, write_package
 from tests.integration.test_migrate import empty_db

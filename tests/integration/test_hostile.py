@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service import metrics
+from service.observe import metrics
 from tests.integration.conftest import eventually, make_settings, running_worker
 
 
@@ -74,7 +74,7 @@ async def test_one_hostile_request_id_costs_no_neighbour(
     """``limits``: refused at the door (request_id_too_long). ``bisection``: with the door
     limit lifted, PostgreSQL refuses the claim statement and bisection finds the message."""
     if door == "bisection":
-        monkeypatch.setattr("service.messages.INDEXED_TEXT_MAX_CHARS", 10**9)
+        monkeypatch.setattr("service.core.messages.INDEXED_TEXT_MAX_CHARS", 10**9)
     ordinary = [upsert(f"r{i}", f"e{i}") for i in range(120)]
     mixed = list(ordinary)
     bad = upsert(hostile_id(), "e-hostile")

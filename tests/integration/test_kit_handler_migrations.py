@@ -11,7 +11,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from service.kit import create_template, handler_migrations
+from service.testing.kit import create_template, handler_migrations
 from tests.handler_package import install, write_package
 from tests.servers import Postgres
 

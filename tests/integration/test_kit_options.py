@@ -14,7 +14,7 @@ from pathlib import Path
 
 import asyncpg
 
-from service.kit import message, postgres_server
+from service.testing.kit import message, postgres_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ CONFTEST = """
         return ["CREATE TABLE notes (request_id text PRIMARY KEY, text text)"]
 """
 TEST = """
-    from service.kit import message
+    from service.testing.kit import message
 
     async def test_note(ingest_runner, ingest_postgres):
         print("SERVER", ingest_postgres.dsn())
@@ -107,9 +107,9 @@ def test_the_plugin_loads_without_pytest_asyncio_and_says_what_to_install(
 def test_the_message_builder_makes_bodies_the_daemon_parses() -> None:
     from pydantic import BaseModel
 
+    from service.core.messages import Received, parse
+    from service.core.registry import default_registry
     from service.handlers import load_reference_handlers
-    from service.handlers.registry import default_registry
-    from service.messages import Received, parse
 
     class Upsert(BaseModel):
         entity_id: str

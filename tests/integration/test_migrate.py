@@ -11,8 +11,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from service import migrate as migrate_module
-from service.migrate import (
+from service.adapters import migrate as migrate_module
+from service.adapters.migrate import (
     MigrationChanged,
     applied_checksums,
     check_schema,

@@ -11,8 +11,8 @@ import boto3
 import pytest
 from aiobotocore.session import get_session
 
-from service.payloads import S3Payloads, s3_client
-from service.pointers import Fetched, Pointer, Refused, Unreachable
+from service.adapters.payloads import S3Payloads, s3_client
+from service.core.pointers import Fetched, Pointer, Refused, Unreachable
 
 
 @pytest.fixture

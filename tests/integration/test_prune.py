@@ -17,11 +17,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service import metrics
-from service.messages import Message, Received, payload_hash
-from service.prune import PRUNE_LOCK_KEY, STEPS, TABLES, delete_batch, prune_once
+from service.adapters.prune import PRUNE_LOCK_KEY, STEPS, TABLES, delete_batch, prune_once
+from service.adapters.store import Q, Store, create_pool
+from service.core.messages import Message, Received, payload_hash
+from service.observe import metrics
 from service.settings import Settings
-from service.store import Q, Store, create_pool
 from tests.integration.conftest import eventually, make_settings, running_worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,7 +235,7 @@ async def test_each_batch_commits_on_its_own(
 ) -> None:
     """A claim never waits for more than the batch in flight: when the second batch starts,
     the first one's deletes are already committed (seen from another session)."""
-    from service import prune
+    from service.adapters import prune
 
     await completed(db, 9, 40, "old")
     seen: list[int] = []
@@ -440,7 +440,7 @@ async def test_a_pass_pauses_between_full_batches_and_stops_when_told(
     first one sets ``stop``."""
     from types import SimpleNamespace
 
-    from service import prune
+    from service.adapters import prune
 
     await completed(db, 5, 40, "old")
     stop = asyncio.Event()
@@ -503,7 +503,7 @@ async def test_a_refusal_goes_the_retention_after_its_last_refusal(
     """Counted from ``last_refused_at`` with INGEST_RETENTION_DAYS (30; the other retentions
     set apart: 7, 45, 90), in batches each committed on its own; a pointer refused again
     after its row went starts its clock again, one still refused keeps it."""
-    from service import prune
+    from service.adapters import prune
 
     await refusals(db, 5, 31, "old")                         # not refused for 31 days: due
     await refusals(db, 1, 29, "young")                       # 29 days: kept

@@ -18,15 +18,12 @@ def _python_blocks() -> list[str]:
 
 
 def test_the_readme_handler_passes_the_readme_test(tmp_path: Path) -> None:
-    handler, test = _python_blocks()[:2]
-    assert "@handler(" in handler and "async def test_" in test
+    handler, conftest, test = _python_blocks()[:3]
+    assert "@handler(" in handler and "ingest_schema_sql" in conftest
+    assert "async def test_" in test
     (tmp_path / "my_handlers.py").write_text(handler)
+    (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "test_readme.py").write_text(test)
-    (tmp_path / "conftest.py").write_text(
-        "import my_handlers  # noqa: F401\nimport pytest\n\n"
-        "@pytest.fixture(scope='session')\ndef ingest_schema_sql():\n"
-        "    return ['CREATE TABLE invoices (id text PRIMARY KEY, amount_cents bigint, "
-        "request_id text)']\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",

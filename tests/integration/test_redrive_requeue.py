@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from service.sqs import SqsQueue, sqs_client
+from service.adapters.sqs import SqsQueue, sqs_client
 
 ATTRIBUTES = {
     "tenant": {"DataType": "String", "StringValue": "acme"},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 
-from service.sqs import SqsQueue, sqs_client
+from service.adapters.sqs import SqsQueue, sqs_client
 
 
 async def test_copy_released_at_once_is_not_delayed_by_the_queue_delay(

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from service.seams import OutboxRow
-from service.store import Q, Store, create_pool
+from service.adapters.store import Q, Store, create_pool
+from service.core.seams import OutboxRow
 from tests.contract.test_store_contract import PUBLISHER_LOCK_TIMEOUT_MS, beside_a_holder
 
 

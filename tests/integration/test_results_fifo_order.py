@@ -13,12 +13,12 @@ import asyncpg
 import boto3
 from pydantic import BaseModel
 
+from service.adapters.sinks import SqsSink
+from service.adapters.sqs import SqsQueue, sqs_client
+from service.adapters.store import Store, create_pool
 from service.handlers import Registry, current_request_id
-from service.results import Publisher
-from service.sinks import SqsSink
-from service.sqs import SqsQueue, sqs_client
-from service.store import Store, create_pool
-from service.worker import Worker
+from service.runtime.results import Publisher
+from service.runtime.worker import Worker
 from tests.integration.conftest import eventually, make_settings
 
 

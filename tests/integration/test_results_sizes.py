@@ -15,9 +15,9 @@ import boto3
 import pytest
 from aiobotocore.session import get_session
 
-from service.results import Publisher
-from service.sinks import SnsSink, SqsSink
-from service.store import Store, create_pool
+from service.adapters.sinks import SnsSink, SqsSink
+from service.adapters.store import Store, create_pool
+from service.runtime.results import Publisher
 
 
 @pytest.fixture

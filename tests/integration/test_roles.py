@@ -21,7 +21,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service.migrate import migrate
+from service.adapters.migrate import migrate
 from tests.acceptance.harness import Daemon, daemon_env, send_all, upsert, wait_drained
 from tests.servers import Postgres, _pg_bin, postgres_server, wait_until
 
@@ -200,7 +200,7 @@ async def test_results_publish_under_the_app_role(
 ) -> None:
     """The outbox (migration 002) is written, claimed FOR UPDATE, marked and pruned by the
     app role: roles.sql's default privileges reach tables a later migration creates."""
-    from service.store import Q
+    from service.adapters.store import Q
 
     pg, _, app_pw = cluster
     dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
@@ -237,7 +237,7 @@ async def test_results_publish_under_the_app_role(
 async def test_prune_under_the_app_role(cluster: tuple[Postgres, str, str]) -> None:
     """Retention (migration 004) as the app role: deletes from every table, writes the entity
     checkpoints (INSERT … ON CONFLICT DO UPDATE) and takes its advisory lock — no DDL."""
-    from service.prune import prune_once
+    from service.adapters.prune import prune_once
     from service.settings import Settings
 
     pg, _, app_pw = cluster
@@ -386,7 +386,7 @@ async def test_payload_refusals_under_the_app_role(cluster: tuple[Postgres, str,
     """The first refusal of an S3 pointer (migration 006) is upserted by the app role with
     its grants from roles.sql: INSERT, then ON CONFLICT DO UPDATE that keeps
     first_refused_at."""
-    from service.store import Store, create_pool
+    from service.adapters.store import Store, create_pool
 
     pg, _, app_pw = cluster
     pool = await create_pool(role_dsn(pg, "sqs_ingest_app", app_pw), 2)
@@ -411,9 +411,9 @@ async def test_payload_refusals_are_pruned_under_the_app_role(
     """The pruner's refusals step (its DELETE ... FOR UPDATE SKIP LOCKED) as the app role:
     the pass completes (no permission error on its last step), a pointer not refused for
     INGEST_RETENTION_DAYS goes, one refused now stays."""
-    from service.prune import prune_once
+    from service.adapters.prune import prune_once
+    from service.adapters.store import Store, create_pool
     from service.settings import Settings
-    from service.store import Store, create_pool
 
     pg, _, app_pw = cluster
     dsn = role_dsn(pg, "sqs_ingest_app", app_pw)
@@ -440,8 +440,8 @@ async def test_grants_older_than_the_refusals_step_fail_the_pass_after_the_rest(
     """A database whose grants predate the refusals step (roles.sql not run again after the
     upgrade: no DELETE on payload_refusals): the pass fails on that step, its last, so every
     other table was pruned first; the daemon logs it as ``prune_failed`` and goes on."""
+    from service.adapters.prune import prune_once
     from service.errors import DatabaseError
-    from service.prune import prune_once
     from service.settings import Settings
 
     pg, _, app_pw = cluster
@@ -471,7 +471,7 @@ async def test_old_runs_are_pruned_by_the_reconcile_role_not_the_app(
     prunes the rest; the reconcile job deletes its runs past the retention itself."""
     from datetime import UTC, date, datetime, timedelta
 
-    from service.prune import prune_once
+    from service.adapters.prune import prune_once
     from service.reconcile import io
     from service.settings import Settings
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from service.batch import BatchProcessor
-from service.dbhealth import DatabaseHealth
+from service.adapters.store import Store, create_pool
+from service.core.retry import ReceiveLimit, RetryPolicy
 from service.handlers import default_registry, load_reference_handlers
-from service.kit import create_template, postgres_server
-from service.retry import ReceiveLimit, RetryPolicy
-from service.store import Store, create_pool
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue
+from service.testing.kit import create_template, postgres_server
 from tests.pgwire import PgWireCounter
 
 #: claim · BEGIN · fence · the commit guard (a handler's own COMMIT commits nothing) · the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.sql import queries
+from service.adapters.sql import queries
 from tests.servers import Postgres
 from tests.sql_mutants import EQUIVALENT, MUTANTS, run_mutant
 

@@ -13,11 +13,11 @@ from typing import Any
 import asyncpg
 import pytest
 
+from service.adapters.store import DeadLetter, Store, claim, create_pool
+from service.core.messages import Message, Received, payload_hash
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
 from service.handlers.invoke import Invoker
-from service.messages import Message, Received, payload_hash
-from service.store import DeadLetter, Store, claim, create_pool
 
 
 def msg(rid: str, version: int = 1, mid: str | None = None, data: Any = None,
@@ -270,9 +270,9 @@ async def test_gc_skips_a_claim_being_completed(database_url: str, pool: asyncpg
 
 
 async def test_registry_entity_handlers_follow_the_version_rule(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
+    from service.core.messages import parse
+    from service.core.registry import default_registry
     from service.handlers import load_reference_handlers
-    from service.handlers.registry import default_registry
-    from service.messages import parse
 
     load_reference_handlers()
     reg: Registry = default_registry
@@ -387,9 +387,9 @@ async def test_batch_form_runs_once_and_isolates_a_failure(pool: asyncpg.Pool, d
 async def test_entity_batch_form_matches_one_by_one(pool: asyncpg.Pool, db: asyncpg.Connection) -> None:
     import json
 
+    from service.core.messages import parse
+    from service.core.registry import default_registry as reg
     from service.handlers import load_reference_handlers
-    from service.handlers.registry import default_registry as reg
-    from service.messages import parse
 
     load_reference_handlers()
     a = await registered(pool, "w-a")
@@ -566,8 +566,8 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
     a row marked stopped is left stopped, and another worker's row is never touched."""
     from types import SimpleNamespace
 
-    from service.maintenance import Maintenance
-    from service.retry import ReceiveLimit
+    from service.core.retry import ReceiveLimit
+    from service.runtime.maintenance import Maintenance
     from service.settings import Settings
 
     a = await registered(pool, "w-a")
@@ -596,8 +596,8 @@ async def test_a_worker_whose_row_was_pruned_registers_again(
 async def test_ping_and_schema_check_against_the_real_database(
     pool: asyncpg.Pool, db: asyncpg.Connection
 ) -> None:
+    from service.adapters.migrate import SchemaBehind
     from service.errors import DatabaseUnavailable
-    from service.migrate import SchemaBehind
 
     a = Store(pool, "w-a")
     await a.ping()
@@ -741,8 +741,8 @@ async def test_startup_gc_reads_the_database_clock_not_the_local_one(
     that registered after it for an earlier incarnation."""
     from types import SimpleNamespace
 
-    from service import worker as worker_module
     from service.handlers import default_registry
+    from service.runtime import worker as worker_module
     from service.settings import Settings
 
     old = Store(pool, "w-old")
@@ -844,9 +844,9 @@ async def test_driver_errors_leave_the_store_as_service_errors(
 ) -> None:
     """The store translates asyncpg's errors once, at the connection: a value the database
     refuses is DataRejected, any other failed statement DatabaseError, each with the
-    driver's error as its cause (what service.diagnose and the dead letters read)."""
+    driver's error as its cause (what service.ops.diagnose and the dead letters read)."""
+    from service.core.plan import describe
     from service.errors import DatabaseError, DataRejected, PermanentError
-    from service.plan import describe
 
     a = await registered(pool, "w-a")
     small = msg("r1")
@@ -961,7 +961,7 @@ async def test_a_connection_error_the_driver_has_not_seen_yet_is_an_outage(
     import subprocess
 
     from service.errors import DatabaseUnavailable
-    from service.kit import _pg_bin
+    from service.testing.kit import _pg_bin
 
     a = await registered(pool, "w-a")
 
@@ -1111,7 +1111,7 @@ async def test_a_completion_that_loses_rows_under_the_fence_rolls_back_loudly(
     """Defence in depth: the fence holds the rows' locks, so the completing statement
     updates every live row. If it ever did not (a bug, a changed statement), nothing of the
     batch commits — no request half done — and the error says which invariant broke."""
-    from service import store as store_module
+    from service.adapters import store as store_module
 
     real = store_module._PgTransactions.complete
 
@@ -1136,8 +1136,8 @@ async def test_a_connection_that_cannot_go_back_to_the_pool_is_an_outage_naming_
     error — what the readiness probe and the log show."""
     from asyncpg.pool import PoolAcquireContext
 
+    from service.adapters.store import connection
     from service.errors import DatabaseUnavailable
-    from service.store import connection
 
     hand_back = PoolAcquireContext.__aexit__
 

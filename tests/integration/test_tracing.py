@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from service import tracing
+from service.observe import tracing
 from tests.integration.conftest import eventually, make_settings, running_worker
 
 XRAY_TRACE = 0x5759E988BD862E3FE1BE46A994272793

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from service.messages import payload_hash
+from service.core.messages import payload_hash
 from service.reconcile import io, job
 from service.reconcile.cli import main
 from service.reconcile.job import JobOptions, compared_buckets

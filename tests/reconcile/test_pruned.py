@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service.prune import prune_once
+from service.adapters.prune import prune_once
 from service.settings import Settings
 from tests.acceptance.harness import delete, queue_depth, send_all, upsert
 from tests.integration.conftest import eventually, make_settings, running_worker

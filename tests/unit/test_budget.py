@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from service import metrics
-from service.budget import MemoryBudget
+from service.adapters.payloads import S3Payloads
+from service.core.budget import MemoryBudget
 from service.handlers import Registry, current_request_id
-from service.payloads import S3Payloads
+from service.observe import metrics
+from service.runtime.worker import Worker
 from service.settings import ConfigError, load_settings
 from service.testing import FakeQueue, FakeStore
-from service.worker import Worker
 from tests.unit.test_payloads import FakeS3, Note, doc, note_registry, pointer_body
 from tests.unit.test_worker import settings, until
 

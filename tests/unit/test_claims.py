@@ -1,4 +1,4 @@
-"""The claims registry (service.claims): a request_id claimed by a batch in flight is held
+"""The claims registry (service.core.claims): a request_id claimed by a batch in flight is held
 until every batch holding it lets go, and the own-leak GC is told about it meanwhile."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from service.claims import ClaimsRegistry
+from service.core.claims import ClaimsRegistry
 from service.handlers import Registry
+from service.runtime.worker import Worker
 from service.testing import FakeQueue, FakeStore
-from service.worker import Worker
 from tests.unit.test_worker import Note, body, settings, until
 
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from service.coalesce import DeleteCoalescer
+from service.adapters.coalesce import DeleteCoalescer
+from service.core.messages import Received
 from service.errors import AckFailed
-from service.messages import Received
 
 
 def msgs(prefix: str, n: int) -> list[Received]:

@@ -1,4 +1,4 @@
-"""The completing transaction's attempt loop (``service.completion``) when the COMMIT itself
+"""The completing transaction's attempt loop (``service.adapters.completion``) when the COMMIT itself
 raises, on a fake of its transaction seam: a conflict is rerun, anything else is split until
 the message it belongs to is alone; on FIFO the later messages of that message's group are
 held back, those of other groups complete."""
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from service import completion
+from service.adapters import completion
+from service.core.messages import Message, Received, payload_hash
+from service.core.seams import ApplyResult
 from service.errors import DatabaseUnavailable
-from service.messages import Message, Received, payload_hash
-from service.seams import ApplyResult
 
 
 class P(BaseModel):

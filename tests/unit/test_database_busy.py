@@ -1,5 +1,5 @@
 """Errors of the database's own making (SPEC §7, "no healthy message lost to the database"):
-``service.pgerrors`` reads them as outages, and a batch that meets one in the claim, the
+``service.adapters.pgerrors`` reads them as outages, and a batch that meets one in the claim, the
 failure count or the dead-letter statement is deferred like an outage's — nothing counted,
 nothing dead-lettered, and on the queue's last receive a fresh copy instead of a receive
 SQS would answer by moving the message to its DLQ."""
@@ -14,8 +14,8 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from service.batch import BatchProcessor
-from service.dbhealth import DatabaseHealth
+from service.adapters.pgerrors import translate
+from service.core.retry import ReceiveLimit, RetryPolicy
 from service.errors import (
     DatabaseBusy,
     DatabaseError,
@@ -25,8 +25,8 @@ from service.errors import (
     TransientError,
 )
 from service.handlers import Registry
-from service.pgerrors import translate
-from service.retry import ReceiveLimit, RetryPolicy
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue, FakeStore
 
 #: serialization failure, deadlock, lock not available (lock_timeout), query canceled
@@ -81,7 +81,7 @@ def body(rid: str, n: int = 1) -> str:
 
 def busy() -> BaseException:
     """What the store raises when its statement met ``statement_timeout`` (its translation
-    at the connection, ``service.store.connection``)."""
+    at the connection, ``service.adapters.store.connection``)."""
     exc = pg_error("57014")
     ours = translate(exc)
     assert ours is not None

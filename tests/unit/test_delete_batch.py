@@ -8,9 +8,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from service.adapters.sqs import SqsQueue
+from service.core.messages import Received
 from service.errors import AckFailed
-from service.messages import Received
-from service.sqs import SqsQueue
 
 
 class _Client:

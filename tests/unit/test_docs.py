@@ -34,7 +34,7 @@ def test_reference_page_matches_the_code(page: str) -> None:
 
 
 def test_every_setting_metric_flag_code_and_reason_is_in_the_reference() -> None:
-    from service import labels
+    from service.core import labels
     from service.settings import Settings
 
     gen = _generator()

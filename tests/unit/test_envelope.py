@@ -9,9 +9,9 @@ import json
 import pytest
 from pydantic import BaseModel
 
+from service.core.messages import Message, Poison, Received, parse
 from service.envelope import Envelope, Source
 from service.handlers import Registry
-from service.messages import Message, Poison, Received, parse
 
 
 class Order(BaseModel):

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from service.core.messages import Message, Received
+from service.core.retry import ReceiveLimit
 from service.errors import AckFailed, DatabaseUnavailable
-from service.executor import InFlight, PlanExecutor
-from service.messages import Message, Received
-from service.retry import ReceiveLimit
+from service.runtime.executor import InFlight, PlanExecutor
 from service.testing import FakeQueue, FakeStore
 
 
@@ -96,8 +96,8 @@ async def test_letters_committed_before_the_handlers_are_not_written_again() -> 
     """The batch commits a part's dead letters before its handlers run; carrying the plan
     out afterwards writes only the letters not committed yet (the executor keeps that in
     the batch's InFlight, the plan stays as it was)."""
-    from service.plan import Plan
-    from service.seams import DeadLetter
+    from service.core.plan import Plan
+    from service.core.seams import DeadLetter
 
     class CountingStore(FakeStore):
         writes: list[list[str]]
@@ -156,8 +156,8 @@ class OrderedStore(FakeStore):
 def ordered_plan(batch: list[Any]) -> Any:
     """m0 poison (letter + ack), m1 completed (ack), m2 retried (release), m3 contended
     (deferral)."""
-    from service.plan import Plan
-    from service.seams import DeadLetter
+    from service.core.plan import Plan
+    from service.core.seams import DeadLetter
 
     plan = Plan()
     plan.letter(batch[0], DeadLetter.of_received(batch[0], "invalid_json", "x"), "_invalid")
@@ -223,7 +223,7 @@ async def test_a_failed_ack_hands_nothing_back_and_resolves_nothing() -> None:
 
 
 def sample(name: str, **labels: str) -> float:
-    from service import metrics
+    from service.observe import metrics
 
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -261,7 +261,7 @@ async def test_a_failed_visibility_change_is_counted_not_raised() -> None:
 
 
 def test_hold_keeps_each_fifo_group_s_longest_delay() -> None:
-    from service.messages import Received
+    from service.core.messages import Received
 
     def r(mid: str, group: str | None) -> Received:
         return Received(mid, "rh", "{}", 1, None, group)
@@ -284,7 +284,7 @@ def test_resolving_a_message_twice_is_harmless() -> None:
 def limited() -> ReceiveLimit:
     """Dead-letter after 2 failures, SQS after 5 receives: a message received 4 times has
     1 receive left (< 2 tries) and must come back as a fresh copy; one received once not."""
-    from service.retry import RedrivePolicy
+    from service.core.retry import RedrivePolicy
 
     limit = ReceiveLimit(2)
     limit.policy = RedrivePolicy("arn:aws:sqs:us-east-1:000000000000:dlq", 5)
@@ -390,7 +390,7 @@ async def test_give_back_copies_near_the_limit_only_for_a_deferral(deferral: boo
 @pytest.mark.parametrize("kind", ["releases", "deferrals"])
 async def test_carry_out_resolves_what_it_hands_back(kind: str) -> None:
     """A plan with only releases (retries) or only deferrals: handed back and resolved."""
-    from service.plan import Plan
+    from service.core.plan import Plan
 
     q = FakeQueue()
     flight, _ = flight_of(q, 2)

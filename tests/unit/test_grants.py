@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from service.grants import APP_GRANTS
+from service.ops.grants import APP_GRANTS
 
 ROLES_SQL = Path(__file__).resolve().parents[2] / "deploy/sql/roles.sql"
 _ROW = re.compile(r"\('sqs_ingest_app',\s*'(\w+)',\s*'([A-Z, ]+)'\)")

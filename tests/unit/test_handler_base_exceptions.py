@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from service.batch import BatchProcessor
-from service.dbhealth import DatabaseHealth
+from service.core.retry import ReceiveLimit, RetryPolicy
 from service.handlers import Registry
-from service.retry import ReceiveLimit, RetryPolicy
+from service.runtime.batch import BatchProcessor
+from service.runtime.dbhealth import DatabaseHealth
 from service.testing import FakeQueue, FakeStore
 
 

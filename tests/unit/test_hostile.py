@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from service.bisection import Bisection
-from service.claims import ClaimsRegistry
+from service.core.claims import ClaimsRegistry
+from service.core.labels import INVALID_TYPE_LABEL
+from service.core.messages import Message, Received, parse
+from service.core.plan import Plan
+from service.core.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
+from service.core.seams import ClaimResult
 from service.errors import DataRejected
-from service.executor import InFlight, PlanExecutor
 from service.handlers import Registry
-from service.labels import INVALID_TYPE_LABEL
-from service.messages import Message, Received, parse
-from service.plan import Plan
-from service.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
-from service.seams import ClaimResult
+from service.runtime.bisection import Bisection
+from service.runtime.executor import InFlight, PlanExecutor
+from service.runtime.visibility import VisibilityHeartbeat
 from service.testing import FakeQueue, FakeStore
-from service.visibility import VisibilityHeartbeat
 from tests.unit.test_worker import Harness, body, settings, until
 
 
@@ -40,7 +40,7 @@ class RefusingStore(FakeStore):
         self.claims.append([m.request_id for m in messages])
         if any(m.request_id.startswith("hostile") for m in messages):
             # What the real store raises for asyncpg's ProgramLimitExceededError (the seam
-            # speaks service.errors: service.pgerrors translates at the connection).
+            # speaks service.errors: service.adapters.pgerrors translates at the connection).
             raise DataRejected(
                 "ProgramLimitExceededError: index row size 5016 exceeds btree version 4 "
                 "maximum 2704")
@@ -142,7 +142,7 @@ async def test_a_bug_on_a_first_receive_hands_the_batch_back_whole(registry: Reg
 
 
 def test_limits_at_the_door_name_the_field(registry: Registry) -> None:
-    from service.messages import Received
+    from service.core.messages import Received
 
     def reason(doc: dict[str, Any]) -> tuple[str, str]:
         p = parse(Received("m", "rh", json.dumps(doc)), registry)
@@ -160,7 +160,7 @@ def test_limits_at_the_door_name_the_field(registry: Registry) -> None:
 
 def test_a_payload_too_deep_to_write_back_is_poison_not_a_crash(registry: Registry) -> None:
     """Found by the fuzzer: orjson reads 1,024 levels but writes 254; parse() raised."""
-    from service.messages import Poison, Received
+    from service.core.messages import Poison, Received
 
     deep = "[" * 300 + "0" + "]" * 300
     b = '{"request_id": "r", "type": "note", "payload": {"n": 1, "x": ' + deep + "}}"

@@ -1,4 +1,4 @@
-"""service.identity: the replica's default name from the ECS container metadata."""
+"""service.adapters.identity: the replica's default name from the ECS container metadata."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from service.identity import METADATA_ENV, ecs_worker_name
+from service.adapters.identity import METADATA_ENV, ecs_worker_name
 from tests.servers import free_port
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from service.core.messages import Message, Received, payload_hash
 from service.handlers import Registry
 from service.handlers.invoke import HandlerCancelled, Invoker
-from service.messages import Message, Received, payload_hash
 
 
 class P(BaseModel):

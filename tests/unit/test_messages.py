@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from service.core.messages import Message, Poison, Received, parse, payload_hash
 from service.handlers import Registry
 from service.handlers.entities import EntityDelete, EntityUpsert, entity_delete, entity_upsert
-from service.messages import Message, Poison, Received, parse, payload_hash
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_attributes_of_the_sqs_message_and_of_the_sns_envelope(registry: Registr
 def test_a_fetched_payload_is_parsed_instead_of_the_pointer_body(registry: Registry) -> None:
     """A body that points to S3: the document is the fetched object's bytes, the message
     keeps the pointer (and its SNS envelope's attributes); the raw body stays the pointer."""
-    from service.pointers import Fetched, Pointer
+    from service.core.pointers import Fetched, Pointer
 
     pointer_body = '["software.amazon.payloadoffloading.PayloadS3Pointer", {}]'
     envelope = {"Type": "Notification", "Message": pointer_body,

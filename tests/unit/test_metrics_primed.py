@@ -1,7 +1,7 @@
 """Every labelled series exists at 0 from start-up (issue 24): ``increase()``/``rate()`` cannot
 see the first increment of a series born inside the window, and a dashboard panel over a
 series that does not exist yet is empty. The expected label values come from the code's one
-source, ``service.labels``; the call sites that count are read from the source (AST)."""
+source, ``service.core.labels``; the call sites that count are read from the source (AST)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from service import labels, metrics
+from service.core import labels
+from service.observe import metrics
 
-SERVICE = Path(metrics.__file__).parent
+SERVICE = Path(metrics.__file__).parents[1]  # service/, not service/observe/
 TYPES = ["entity.upsert", "entity.delete", "x.custom"]
 
-#: metric attribute in service.metrics -> the label values it can take, per label, from
-#: service.labels (messages_processed's type: the registered types + the invalid label).
+#: metric attribute in service.observe.metrics -> the label values it can take, per label, from
+#: service.core.labels (messages_processed's type: the registered types + the invalid label).
 EXPECTED: dict[str, list[tuple[str, ...]]] = {
     "messages_processed": [(*TYPES, labels.INVALID_TYPE_LABEL), labels.OUTCOMES],
     "dead_letters": [labels.DEAD_LETTER_REASONS],
@@ -68,7 +69,7 @@ def _label_calls() -> list[tuple[str, str, int, list[ast.expr]]]:
 
 def test_every_literal_label_value_in_the_code_is_in_the_primed_set() -> None:
     """A value written at a call site (``sqs_errors.labels("receive")``) must be one that
-    start-up creates; values passed in variables are typed by service.labels' Literal
+    start-up creates; values passed in variables are typed by service.core.labels' Literal
     aliases (mypy strict)."""
     calls = _label_calls()
     counted = {c[0] for c in calls}

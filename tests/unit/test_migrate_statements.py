@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from service.migrate import Migration, statements
+from service.adapters.migrate import Migration, statements
 
 
 def test_statements_split_only_at_semicolons_outside_quotes_and_comments() -> None:

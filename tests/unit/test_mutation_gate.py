@@ -99,6 +99,26 @@ def test_changed_lines_of_a_real_diff(tmp_path: Path, monkeypatch: pytest.Monkey
     assert g.changed_lines("HEAD", "m.py") == {2, 4}
 
 
+def test_changed_lines_of_a_moved_file_are_its_edits_not_the_move(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`git mv` then an edit: only the edited line counts (the file is compared with its old
+    path), so mutation-diff across the layout's moves mutates what changed, not every function."""
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    f = tmp_path / "m.py"
+    f.write_text("".join(f"v{i} = {i}\n" for i in range(10)))
+    git("add", "m.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    (tmp_path / "pkg").mkdir()
+    git("mv", "m.py", "pkg/m.py")
+    moved = tmp_path / "pkg" / "m.py"
+    moved.write_text(moved.read_text().replace("v3 = 3", "v3 = 30"))
+    monkeypatch.chdir(tmp_path)
+    assert g.changed_lines("HEAD", "pkg/m.py") == {4}
+
+
 HANGS_AFTER_FAILING = """
 import time
 import pytest

@@ -13,18 +13,18 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
-from service import metrics
-from service.budget import MemoryBudget
+from service.adapters.payloads import LATER, S3Payloads
+from service.core.budget import MemoryBudget
+from service.core.labels import ERROR_KINDS
+from service.core.messages import Message, Received, parse
+from service.core.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
+from service.core.retry import RetryPolicy
 from service.handlers import Registry, current_attributes
-from service.labels import ERROR_KINDS
-from service.messages import Message, Received, parse
-from service.payloads import LATER, S3Payloads
-from service.pointers import Fetched, Pointer, Refused, Unreachable, find_pointer
-from service.resolve import resolve_batch
-from service.retry import RetryPolicy
+from service.observe import metrics
+from service.runtime.resolve import resolve_batch
+from service.runtime.worker import EXIT_ACK_FAILED, Worker
 from service.s3access import AllowList
 from service.testing import FakeQueue, FakeStore
-from service.worker import EXIT_ACK_FAILED, Worker
 from tests.unit.test_worker import settings, until
 
 CURRENT = "software.amazon.payloadoffloading.PayloadS3Pointer"
@@ -555,7 +555,7 @@ async def test_a_batch_holding_no_payload_waits_for_room_for_one_before_the_poll
         poll.cancel()
 
 
-# -- the batch's S3 step (service.resolve) ------------------------------------------------
+# -- the batch's S3 step (service.runtime.resolve) ------------------------------------------------
 
 
 def policy0() -> RetryPolicy:
@@ -1098,7 +1098,7 @@ class _Session:
 
 
 async def test_the_s3_client_is_made_once_at_the_first_call_and_closed_with_its_block() -> None:
-    from service.payloads import s3_client
+    from service.adapters.payloads import s3_client
 
     session = _Session()
     async with s3_client(session, "eu-west-1", "http://127.0.0.1:9", 7) as s3:
@@ -1123,7 +1123,7 @@ async def test_the_s3_client_is_made_once_at_the_first_call_and_closed_with_its_
 
 
 async def test_aws_s3_itself_is_addressed_by_virtual_host_and_an_unused_client_never_made() -> None:
-    from service.payloads import s3_client
+    from service.adapters.payloads import s3_client
 
     session = _Session()
     async with s3_client(session, "us-east-1", None) as s3:

@@ -10,8 +10,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from service.adapters.store import _PgAttempt, _PgTransactions
 from service.errors import DatabaseUnavailable
-from service.store import _PgAttempt, _PgTransactions
 
 
 class Conn:

@@ -7,9 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from service.handlers import Registry
-from service.messages import Message, Received
-from service.plan import (
+from service.core.messages import Message, Received
+from service.core.plan import (
     INVALID_TYPE_LABEL,
     ClaimPlan,
     Plan,
@@ -21,8 +20,9 @@ from service.plan import (
     triage,
     wait_behind_letters,
 )
-from service.retry import ReceiveLimit, RetryPolicy
-from service.seams import ApplyResult, ClaimResult, DeadLetter
+from service.core.retry import ReceiveLimit, RetryPolicy
+from service.core.seams import ApplyResult, ClaimResult, DeadLetter
+from service.handlers import Registry
 
 POLICY = RetryPolicy(base_seconds=2, max_seconds=900, contention_seconds=4, max_failures=3,
                      rng=lambda: 0.0)
@@ -200,7 +200,7 @@ def test_a_failure_record_failures_did_not_count_is_a_lost_claim() -> None:
 
 
 def test_describe_is_the_exception_type_and_text_capped_at_2000() -> None:
-    from service.plan import describe
+    from service.core.plan import describe
 
     assert describe(RuntimeError("boom")) == "RuntimeError: boom"
     long = describe(ValueError("x" * 5000))
@@ -219,8 +219,8 @@ def test_classify_returns_new_values_and_leaves_its_input_as_parsed() -> None:
 
 
 def test_merge_concatenates_every_list_and_adds_the_contention() -> None:
-    from service.pointers import Pointer
-    from service.seams import DeadLetter
+    from service.core.pointers import Pointer
+    from service.core.seams import DeadLetter
 
     def one(mid: str, contention: int) -> Plan:
         r = raw(mid, note(mid))
@@ -269,7 +269,7 @@ def test_hold_behind_skips_messages_without_a_group_and_goes_on() -> None:
 
 
 def test_triage_parses_fetched_payloads_and_labels_poison_by_its_known_type() -> None:
-    from service.pointers import Fetched, Pointer
+    from service.core.pointers import Fetched, Pointer
 
     pointer_body = '["software.amazon.payloadoffloading.PayloadS3Pointer", {}]'
     fetched = {"m1": Fetched(Pointer("b", "k"), note("r1").encode())}
@@ -302,7 +302,7 @@ def test_a_reused_key_is_lettered_with_what_it_was_used_with() -> None:
 
 
 def test_settle_keeps_the_pointers_of_completed_requests_and_sub_second_lags() -> None:
-    from service.pointers import Pointer
+    from service.core.pointers import Pointer
 
     done, plain = parsed("m1", "r1", sent=100.0), parsed("m2", "r2")
     done.pointer = Pointer("b", "k")
@@ -313,7 +313,7 @@ def test_settle_keeps_the_pointers_of_completed_requests_and_sub_second_lags() -
 
 
 def test_a_failure_on_the_last_receive_sqs_allows_is_final() -> None:
-    from service.retry import RedrivePolicy
+    from service.core.retry import RedrivePolicy
 
     limit = ReceiveLimit(5)
     limit.policy = RedrivePolicy("arn:aws:sqs:us-east-1:000000000000:dlq", 9)
@@ -326,9 +326,9 @@ def test_a_failure_on_the_last_receive_sqs_allows_is_final() -> None:
 
 def test_plan_unresolved_decides_every_kind_of_unread_payload() -> None:
     """Each branch, with literal expectations (POLICY: backoff(3) = 4 s, contention 2 s)."""
-    from service.plan import plan_unresolved
-    from service.pointers import Pointer, Refused, Unreachable
-    from service.seams import KnownPointer
+    from service.core.plan import plan_unresolved
+    from service.core.pointers import Pointer, Refused, Unreachable
+    from service.core.seams import KnownPointer
 
     def p(key: str) -> Pointer:
         return Pointer("b", key)
@@ -391,8 +391,8 @@ def test_plan_unresolved_decides_every_kind_of_unread_payload() -> None:
 
 
 def test_plan_unresolved_without_refusal_ages_defers_every_refusal() -> None:
-    from service.plan import plan_unresolved
-    from service.pointers import Pointer, Unreachable
+    from service.core.plan import plan_unresolved
+    from service.core.pointers import Pointer, Unreachable
 
     denied = Unreachable(Pointer("b", "k"), "AccessDenied", "access_denied")
     plan = plan_unresolved([(raw("m1", "body", receives=1), denied)], {}, POLICY)

@@ -11,19 +11,20 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from service import metrics, prune
-from service.maintenance import Maintenance
-from service.prune import STEPS, TABLES
-from service.retention import (
+from service.adapters import prune
+from service.adapters.prune import STEPS, TABLES
+from service.adapters.sql import queries
+from service.core.retention import (
     SQS_MAX_RETENTION,
     RetentionRefused,
     check_retention,
     queue_retention,
     safe_without_queue,
 )
-from service.retry import ReceiveLimit
+from service.core.retry import ReceiveLimit
+from service.observe import metrics
+from service.runtime.maintenance import Maintenance
 from service.settings import ConfigError, Settings, load_settings
-from service.sql import queries
 
 
 def settings(**over: Any) -> Settings:

@@ -58,7 +58,8 @@ async def test_every_outcome_and_reason_series_exists_from_startup(
 ) -> None:
     """The first dead letter after a restart must be visible to increase(): its series has
     to exist (at 0) before it is incremented."""
-    from service import labels, metrics
+    from service.core import labels
+    from service.observe import metrics
 
     # dead_letters gets a registry of its own: on the shared one, another test's dead
     # letter would have made the series already. The type below is new to the shared one.

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from service import worker as worker_module
-from service.worker import ReceivePacer
+from service.runtime import worker as worker_module
+from service.runtime.worker import ReceivePacer
 
 
 @pytest.fixture

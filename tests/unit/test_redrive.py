@@ -16,14 +16,14 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from structlog.testing import capture_logs
 
-import service.redrive as redrive_module
+import service.ops.redrive as redrive_module
+from service.core.messages import Received
+from service.core.plan import settle_failures
+from service.core.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
 from service.errors import DatabaseUnavailable
-from service.executor import PlanExecutor
 from service.handlers import Registry
-from service.messages import Received
-from service.plan import settle_failures
-from service.redrive import redrive
-from service.retry import ReceiveLimit, RedrivePolicy, RetryPolicy
+from service.ops.redrive import redrive
+from service.runtime.executor import PlanExecutor
 from service.testing import FakeQueue, FakeStore, FakeWorker, Row
 from tests.unit.test_worker import Harness, Note, _hash, body, settings, until
 
@@ -317,7 +317,7 @@ async def test_redrive_refuses_a_queue_without_a_policy(capsys: pytest.CaptureFi
 
 
 def test_a_fresh_copy_carries_body_attributes_group_and_a_dedup_id_of_its_own() -> None:
-    from service.sqs import _copy_entry
+    from service.adapters.sqs import _copy_entry
 
     attrs = {"a": {"DataType": "String", "StringValue": "x", "StringListValues": []},
              "b": {"DataType": "Binary", "BinaryValue": b"\x00\x01"}}
@@ -459,7 +459,7 @@ class ScriptedSqs:
 
 
 class Clock:
-    """``service.redrive``'s clock and sleep: time passes only when it sleeps."""
+    """``service.ops.redrive``'s clock and sleep: time passes only when it sleeps."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -682,7 +682,7 @@ async def test_redrive_stops_following_a_task_that_outlasts_follow_for(
 
 
 class RecordingClients:
-    """``service.redrive.sqs_client``: records what each client was made with and hands
+    """``service.ops.redrive.sqs_client``: records what each client was made with and hands
     out ``sqs``."""
 
     def __init__(self, sqs: ScriptedSqs) -> None:

@@ -62,14 +62,14 @@ class Q(BaseModel):
 
 
 def test_the_model_is_read_from_the_payload_annotation() -> None:
-    from service.handlers.registry import payload_model
+    from service.core.registry import payload_model
 
     assert payload_model("t", fn) is P
     assert payload_model("t", fn, P) is P
 
 
 def test_an_unannotated_handler_without_a_model_is_refused() -> None:
-    from service.handlers.registry import payload_model
+    from service.core.registry import payload_model
 
     async def bare(payload, conn):
         return None
@@ -79,7 +79,7 @@ def test_an_unannotated_handler_without_a_model_is_refused() -> None:
 
 
 def test_an_explicit_model_that_contradicts_the_annotation_is_refused() -> None:
-    from service.handlers.registry import payload_model
+    from service.core.registry import payload_model
 
     with pytest.raises(TypeError, match="annotated P"):
         payload_model("t", fn, Q)

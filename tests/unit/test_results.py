@@ -10,14 +10,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from service import metrics
+from service.adapters.sinks import entry, fifo_id
+from service.core.seams import OutboxRow, ResultsSink
 from service.handlers import Registry
-from service.results import MAX_BYTES, Publisher, bodies_of, result_body
-from service.seams import OutboxRow, ResultsSink
+from service.observe import metrics
+from service.runtime.results import MAX_BYTES, Publisher, bodies_of, result_body
+from service.runtime.worker import EXIT_OK, Worker
 from service.settings import Settings
-from service.sinks import entry, fifo_id
 from service.testing import FakeQueue, FakeSink, FakeStore
-from service.worker import EXIT_OK, Worker
 from tests.unit.test_worker import until
 
 

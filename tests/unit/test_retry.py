@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.retry import Backoff, ReceiveLimit, RedrivePolicy, RetryPolicy
+from service.core.retry import Backoff, ReceiveLimit, RedrivePolicy, RetryPolicy
 
 
 def test_backoff_doubles_per_receive_with_equal_jitter_and_a_cap() -> None:
@@ -119,7 +119,7 @@ def test_update_takes_the_policy_and_says_whether_it_changed() -> None:
 
 
 async def test_wait_any_returns_when_one_event_is_set() -> None:
-    from service.retry import wait_any
+    from service.core.retry import wait_any
 
     a, b = asyncio.Event(), asyncio.Event()
     asyncio.get_running_loop().call_soon(b.set)

@@ -13,10 +13,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from service.core.messages import Message, Received, parse
 from service.handlers import Registry, default_registry, load_reference_handlers
-from service.messages import Message, Received, parse
-from service.produce import sample_bodies
-from service.schema import document
+from service.ops.produce import sample_bodies
+from service.ops.schema import document
 
 ROOT = Path(__file__).resolve().parents[2]
 

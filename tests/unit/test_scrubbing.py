@@ -27,7 +27,7 @@ PW = "Zq8#kV/3mW"
 STDLIB_LOGGING = textwrap.dedent("""
     import logging, sys
     from service import secrets
-    from service.logs import configure_logging
+    from service.observe.logs import configure_logging
     configure_logging(sys.argv[1], "info")
     secrets.remember(sys.argv[2])
     dsn = "postgresql://app:" + sys.argv[2] + "@db/x"
@@ -63,8 +63,8 @@ def test_span_exception_events_are_scrubbed() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from pydantic import BaseModel
 
-    from service import tracing
-    from service.messages import Message, Received
+    from service.core.messages import Message, Received
+    from service.observe import tracing
 
     class P(BaseModel):
         pass
@@ -116,8 +116,8 @@ def test_reconcile_runs_under_the_scrubbing_excepthook(monkeypatch: pytest.Monke
 
 
 def test_dlq_list_json_error_is_scrubbed() -> None:
-    from service.dlq.command import as_json
-    from service.dlq.letters import Letter
+    from service.ops.dlq.command import as_json
+    from service.ops.dlq.letters import Letter
 
     secrets.remember(PW)
     body = json.dumps({"request_id": "r", "note": PW})  # message data: printed verbatim

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from service import secrets
-from service.logs import configure_logging
+from service.observe.logs import configure_logging
 from service.reconcile.parser import Args, UsageError, build_parser
 from service.secrets import REDACTED, inert, parse_dsn, redact_dsn
 from service.settings import ConfigError, load_settings

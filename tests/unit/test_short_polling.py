@@ -8,9 +8,9 @@ import asyncio
 from typing import Any
 
 from service.handlers import Registry
+from service.runtime.worker import Worker
 from service.settings import Settings
 from service.testing import FakeQueue, FakeStore
-from service.worker import Worker
 
 #: Empty receives the pollers may send in WINDOW seconds: 10 a second in all is already
 #: SPEC §4's bad example.

@@ -1,4 +1,4 @@
-"""service.tracing alone: context extraction, the span tree of one batch, log trace ids, and
+"""service.observe.tracing alone: context extraction, the span tree of one batch, log trace ids, and
 that nothing imports opentelemetry while tracing is off."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel
 
-from service import tracing
-from service.messages import Message, Received
+from service.core.messages import Message, Received
+from service.observe import tracing
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = "http://127.0.0.1:4566/000000000000/orders"
@@ -184,15 +184,15 @@ def test_log_lines_carry_the_trace_id_of_the_current_span(spans: InMemorySpanExp
 def test_off_costs_no_import_and_returns_the_shared_noop() -> None:
     code = """
 import sys
-from service import tracing
-import service.cli, service.batch, service.sqs, service.logs
+from service.observe import tracing
+import service.cli, service.runtime.batch, service.adapters.sqs, service.observe.logs
 from service.handlers import invoke
-from service.messages import Received
+from service.core.messages import Received
 r = Received("m", "h", "{}")
 assert tracing.batch([r]) is tracing.NOOP and tracing.step("claim", [r]) is tracing.NOOP
 with tracing.batch([r]), tracing.step("claim", [r]):
     pass
-service.logs.configure_logging("json", "info", trace_ids=False)
+service.observe.logs.configure_logging("json", "info", trace_ids=False)
 loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
 assert not loaded, loaded
 print("ok")

@@ -1,5 +1,5 @@
 """The daemon's AWS calls carry ``sqs-ingest/<version>`` first in their User-Agent (what
-CloudTrail's ``userAgent`` shows), a string fixed at start-up (``service.sqs.user_agent``)."""
+CloudTrail's ``userAgent`` shows), a string fixed at start-up (``service.adapters.sqs.user_agent``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from aiobotocore.session import get_session
 from aiohttp import web
 
 from service import __version__
-from service.sqs import SqsQueue, sqs_client
+from service.adapters.sqs import SqsQueue, sqs_client
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The visibility heartbeat (service.visibility) on a virtual clock: every half timeout the
+"""The visibility heartbeat (service.runtime.visibility) on a virtual clock: every half timeout the
 batch's unresolved messages are hidden for another full one, and never asked past SQS's
 12-hour cap, which counts from the receive and rejects (does not trim) a change past it.
 No real sleep: the clock's ``sleep`` advances it and only yields."""
@@ -10,16 +10,16 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from service.executor import InFlight
-from service.messages import Received
+from service.core.messages import Received
+from service.runtime.executor import InFlight
+from service.runtime.visibility import CAP_MARGIN, VisibilityHeartbeat, extension
 from service.settings import SQS_MAX_VISIBILITY
-from service.visibility import CAP_MARGIN, VisibilityHeartbeat, extension
 
 EXT = "sqs_ingest_visibility_extensions_total"
 
 
 def sample(name: str) -> float:
-    from service import metrics
+    from service.observe import metrics
 
     return metrics.REGISTRY.get_sample_value(name) or 0.0
 

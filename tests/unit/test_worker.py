@@ -15,9 +15,9 @@ from structlog.testing import capture_logs
 from service.errors import TransientError
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
+from service.runtime.worker import EXIT_ACK_FAILED, EXIT_OK, Worker
 from service.settings import Settings
 from service.testing import FakeQueue, FakeStore
-from service.worker import EXIT_ACK_FAILED, EXIT_OK, Worker
 
 
 class Note(BaseModel):
@@ -306,7 +306,7 @@ async def test_stop_deadline_cancels_and_releases(registry: Registry) -> None:
 
 
 def _hash(payload: dict[str, Any]) -> str:
-    from service.messages import payload_hash
+    from service.core.messages import payload_hash
 
     return payload_hash(payload)
 
@@ -347,7 +347,7 @@ async def test_a_fifo_head_claimed_by_a_dead_worker_is_taken_over_not_deferred(
     """Its owner died after the startup GC, and the next GC pass is an hour away: the claim
     statement takes the head's claim over (counted as an orphan collected), and the head
     and its follower are applied in order in the same receive, nothing deferred."""
-    from service import metrics
+    from service.observe import metrics
     from service.testing import FakeWorker, Row
 
     q = RecordingQueue(fifo=True)
@@ -374,7 +374,7 @@ async def test_a_fifo_head_claimed_by_a_dead_worker_is_taken_over_not_deferred(
 
 
 async def test_dead_lettered_redelivery_is_acked_not_applied(harness: Harness, calls: list[int]) -> None:
-    from service.seams import DeadLetter
+    from service.core.seams import DeadLetter
 
     q = harness.queue
     mid = q.send(body("r9", 9))
@@ -510,7 +510,7 @@ async def test_the_crash_point_fires_after_the_commit_before_any_delete(
     message is still on the queue. The kill is replaced by a snapshot of that moment."""
     import types
 
-    from service import crashpoint
+    from service.runtime import crashpoint
 
     q = FakeQueue()
     h = Harness(settings(pollers=1), registry, q)
@@ -538,7 +538,7 @@ async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from service import tracing
+    from service.observe import tracing
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -571,7 +571,7 @@ async def test_the_daemon_traces_each_message_through_claim_commit_and_settle(
 @pytest.fixture
 def bug_in_batch_clean_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every batch fails in its clean-up (its duration metric), outside its own guard."""
-    from service import metrics
+    from service.observe import metrics
 
     def broken(value: float) -> None:
         raise RuntimeError("a bug in the batch's clean-up")
@@ -586,7 +586,7 @@ async def test_a_batch_task_that_dies_of_a_bug_stops_the_daemon_with_exit_1(
     """A bug outside the batch's guard (here: its duration metric) is not lost as an
     unretrieved task exception while the daemon carries on: it is logged and the daemon
     exits 1, for the orchestrator to restart it."""
-    from service.worker import EXIT_FATAL
+    from service.runtime.worker import EXIT_FATAL
 
     q = FakeQueue()
     q.send(body("r1", 1))
@@ -784,7 +784,7 @@ async def test_a_batch_that_dies_of_a_bug_while_stopping_is_logged_and_the_exit_
 def test_every_fatal_is_logged_and_the_first_decides_the_exit_code(registry: Registry) -> None:
     """A batch died (exit 1) and another then failed its acks: the exit stays 1, and the
     ack failure's line still names the messages it left on the queue."""
-    from service.worker import EXIT_FATAL
+    from service.runtime.worker import EXIT_FATAL
 
     worker = Worker(settings(), FakeQueue(), FakeStore(), registry, visibility_timeout=30)
     with capture_logs() as logs:
@@ -799,7 +799,7 @@ def test_every_fatal_is_logged_and_the_first_decides_the_exit_code(registry: Reg
 async def test_batch_duration_is_observed_once_per_batch_in_seconds(registry: Registry) -> None:
     """sqs_ingest_batch_duration_seconds (SPEC §6): one observation per batch, the batch's
     own wall time — a fraction of a second here, not a clock reading."""
-    from service import metrics
+    from service.observe import metrics
 
     def observed() -> tuple[float, float]:
         [metric] = metrics.batch_duration.collect()

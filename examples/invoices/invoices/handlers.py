@@ -12,8 +12,7 @@ from typing import Annotated, Any
 import asyncpg
 from pydantic import BaseModel, Field
 
-from service.handlers import batch_handler, current_request_id, handler
-from service.limits import IndexedText, Int64
+from service.handlers import IndexedText, Int64, batch_handler, current_request_id, handler
 
 
 class Invoice(BaseModel):

@@ -1,4 +1,4 @@
-"""The example handler's own tests, through the kit (service.pytest_plugin fixtures)."""
+"""The example handler's own tests, through the kit (service.testing.pytest_plugin fixtures)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from service.handlers import Registry
-from service.kit import check_lands_once
+from service.testing.kit import check_lands_once
 
 
 def invoice(rid: str, invoice_id: str, amount: int = 1200, customer: str = "acme") -> str:
