@@ -7,7 +7,6 @@
 -- of the same SQS message (same MessageId), nor, when it releases late (after a database
 -- outage), a later claim of the same request.
 -- The ALTER takes ACCESS EXCLUSIVE on modifications for a moment; queued behind a long read
--- it would stop every claim behind it, so it gives up after lock_timeout instead (run
--- `sqs-ingest migrate` again).
-SET LOCAL lock_timeout = '5s';
+-- it would stop every claim behind it, so it gives up after migrate's lock_timeout
+-- (INGEST_MIGRATE_LOCK_TIMEOUT) and is tried again.
 ALTER TABLE modifications ADD COLUMN IF NOT EXISTS claim_token uuid;

@@ -211,6 +211,7 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                             publisher=publisher, payloads=payloads,
                             max_message_bytes=int(attrs.get("MaximumMessageSize", 262144)))
             state.worker = worker
+            queue.on_unawaited_ack_failure(worker.batches.ack_failed)
             if state.stop.is_set():
                 worker.request_stop()
             return await worker.run()

@@ -28,6 +28,9 @@ class DeleteCoalescer:
     def __init__(self, delete: Delete, linger: float) -> None:
         self._delete = delete
         self.linger = linger
+        #: Told of a failed delete whose caller no longer waits for it (cancelled at the
+        #: shutdown deadline): the daemon must still stop with exit 3 (service.app wires it).
+        self.on_unawaited_failure: Callable[[AckFailed], None] | None = None
         self._pending: list[tuple[list[Received], asyncio.Future[None]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
@@ -45,8 +48,13 @@ class DeleteCoalescer:
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.linger, self._flush)
         # Shielded: a caller cancelled while it waits (shutdown) leaves its committed
-        # messages to be deleted with the others.
-        await asyncio.shield(future)
+        # messages to be deleted with the others; a failure nobody awaits any more is still
+        # reported (on_unawaited_failure), never swallowed.
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._report_unawaited)
+            raise
 
     def _flush(self) -> None:
         if self._timer is not None:
@@ -71,14 +79,24 @@ class DeleteCoalescer:
             for messages, future in call:
                 mine = [m.message_id for m in messages if m.message_id in failed]
                 _settle(future, AckFailed(mine, exc.detail) if mine else None)
+        except asyncio.CancelledError:
+            # Torn down mid-call (shutdown): whether SQS deleted them is unknown — an ack
+            # failure for each caller, as a failed call would be.
+            for messages, future in call:
+                _settle(future, AckFailed([m.message_id for m in messages],
+                                          "the delete was cancelled before SQS answered"))
+            raise
         except BaseException as exc:  # handed to every caller of this call
             for _, future in call:
                 _settle(future, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
         else:
             for _, future in call:
                 _settle(future, None)
+
+    def _report_unawaited(self, future: asyncio.Future[None]) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, AckFailed) and self.on_unawaited_failure is not None:
+            self.on_unawaited_failure(exc)
 
     async def drain(self) -> None:
         """Send what lingers now and wait for every call in flight (shutdown)."""

@@ -91,6 +91,14 @@ class SqsQueue:
     def delete_linger(self, seconds: float) -> None:
         self._deletes.linger = seconds
 
+    def on_unawaited_ack_failure(self, report: Callable[[AckFailed], None]) -> None:
+        """``report`` hears of a failed delete whose batch no longer waits for it."""
+        self._deletes.on_unawaited_failure = report
+
+    async def drain_deletes(self) -> None:
+        """Send the deletes that linger and wait for those in flight (shutdown)."""
+        await self._deletes.drain()
+
     async def delete_batch(self, messages: Sequence[Received]) -> None:
         """Delete ``messages`` (with other small batches' within the linger). Raises
         AckFailed naming those of ``messages`` whose delete failed."""

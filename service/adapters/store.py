@@ -271,7 +271,8 @@ class Store(PgOutbox):
             try:
                 result = await completion.complete(txns, messages, call, fifo, batch)
             finally:
-                await txns.finish(committed=result is not None)
+                # Reset after any commit, a half's included when a later half then raised.
+                await txns.finish(committed=result is not None or txns.committed_any)
         if self.results and result.completed:
             self.outbox_written.set()
         return result
@@ -392,13 +393,14 @@ class _PgTransactions:
     left unusable (closed, or busy with a query it left running) is replaced from the pool
     before the next attempt."""
 
-    __slots__ = ("conn", "owner", "pool", "raw", "replacements", "results")
+    __slots__ = ("committed_any", "conn", "owner", "pool", "raw", "replacements", "results")
 
     def __init__(self, pool: asyncpg.Pool, conn: Any, owner: str, results: bool) -> None:
         self.pool = pool
         self.owner = owner
         self.results = results
         self.replacements: list[Any] = []
+        self.committed_any = False  # an attempt's COMMIT went through (finish resets then)
         self._use(conn)
 
     def _use(self, conn: Any) -> None:
@@ -528,6 +530,8 @@ class _PgAttempt:
     async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         try:
             await self._tx.__aexit__(typ, exc, tb)
+            if exc is None:
+                self._txns.committed_any = True
         except asyncpg.InterfaceError:
             # The rollback after a handler's failure could not run: the handler closed the
             # connection (its transaction is gone with it) or left a query running on it

@@ -105,12 +105,7 @@ class BatchProcessor:
             with tracing.batch(batch):
                 await self._run_guarded(flight)
         except AckFailed as exc:
-            metrics.ack_failures.inc(len(exc.message_ids))
-            # Exit 3 on purpose: the outcome is committed but the message stays on the
-            # queue. Carrying on would leave an orphan whose redelivery could double-apply;
-            # a restart runs orphan GC and redelivery resolves as a duplicate.
-            self.fatal(EXIT_ACK_FAILED, "ack_failed", message_ids=exc.message_ids,
-                       error=exc.detail)
+            self.ack_failed(exc)
         finally:
             if self.budget is not None:
                 self.budget.give_all(flight.budget_owner)
@@ -119,6 +114,14 @@ class BatchProcessor:
                 self.holding.drop(m.request_id)
             metrics.in_flight.dec(len(batch))
             metrics.batch_duration.observe(time.monotonic() - started)
+
+    def ack_failed(self, exc: AckFailed) -> None:
+        metrics.ack_failures.inc(len(exc.message_ids))
+        # Exit 3 on purpose: the outcome is committed but the message stays on the queue.
+        # Carrying on would leave an orphan whose redelivery could double-apply; a restart
+        # runs orphan GC and redelivery resolves as a duplicate.
+        self.fatal(EXIT_ACK_FAILED, "ack_failed", message_ids=exc.message_ids,
+                   error=exc.detail)
 
     async def _run_guarded(self, flight: InFlight) -> None:
         """Process; on any failure give back what is unresolved (AckFailed propagates)."""

@@ -169,6 +169,14 @@ class Worker:
         # not let another replica collect the claims we are about to complete.
         await self._drain()
         await _cancel_stuck(self._working())
+        drain_deletes = getattr(self.queue, "drain_deletes", None)
+        if drain_deletes is not None:
+            # A committed batch's delete still lingering (INGEST_DELETE_LINGER) goes out
+            # before the client closes; a failure is an ack failure (exit 3) even now.
+            try:
+                await asyncio.wait_for(drain_deletes(), timeout=10)
+            except TimeoutError:
+                log.error("deletes_not_drained")
         for t in self._background:
             t.cancel()
         self.health.cancel()

@@ -272,7 +272,8 @@ async def test_reconcile_image_finds_the_planted_discrepancy(
         await fetch(peer, "DELETE FROM modifications WHERE request_id = 'inv-3'")
         c = Container(RECONCILE_IMAGE, {"INGEST_DATABASE_URL": database_url},
                       # Two JDBC partitions: the test data is a few rows, the machine 2 cores.
-                      ["reconcile", "--date", RUN_DATE, "--peer-url", peer, "--partitions", "2"])
+                      ["reconcile", "--date", RUN_DATE, "--peer-url", peer, "--partitions", "2",
+                       "--retention-days", "0"])
         containers.append(c)
         started = time.monotonic()
         code = c.run().wait(600)

@@ -278,8 +278,9 @@ async def test_claim_waits_at_most_for_the_batch_in_flight(
         # A claim of a request the batch is deleting waits for that batch, and only it.
         task = asyncio.create_task(store.claim([msg("old-3")]))
         pids = await eventually(lambda: db.fetch(
+            # The claim statement's opening (pg_stat_activity keeps its first 1 kB only).
             "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%INSERT INTO modifications%'"), "the claim waiting on the batch", 10)
+            " AND query LIKE 'WITH input AS%'"), "the claim waiting on the batch", 10)
         assert len(pids) == 1 and not task.done()
         await tx.commit()
         got = await asyncio.wait_for(task, 5)

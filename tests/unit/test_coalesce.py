@@ -102,3 +102,36 @@ async def test_drain_sends_what_lingers() -> None:
     await asyncio.wait_for(c.drain(), 5)
     await task
     assert d.calls == [["a0"]]
+
+
+async def test_a_failure_nobody_awaits_any_more_is_reported_not_swallowed() -> None:
+    """A batch cancelled at the shutdown deadline while its delete lingers: the delete
+    still goes out, and its failure still reaches the daemon (exit 3), never a silent 0."""
+    reported: list[AckFailed] = []
+    c = DeleteCoalescer(Deletes(fail={"a0"}), linger=0.05)
+    c.on_unawaited_failure = reported.append
+    task = asyncio.create_task(c.delete_batch(msgs("a", 1)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(c.drain(), 5)
+    await asyncio.sleep(0)
+    assert [r.message_ids for r in reported] == [["a0"]]
+
+
+async def test_a_call_torn_down_before_sqs_answered_is_an_ack_failure() -> None:
+    started = asyncio.Event()
+
+    async def hangs(messages: Sequence[Received]) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    c = DeleteCoalescer(hangs, linger=0.01)
+    caller = asyncio.create_task(c.delete_batch(msgs("a", 2)))
+    await asyncio.wait_for(started.wait(), 5)
+    for t in list(c._sending):
+        t.cancel()
+    with pytest.raises(AckFailed) as failed:
+        await asyncio.wait_for(caller, 5)
+    assert failed.value.message_ids == ["a0", "a1"]

@@ -103,3 +103,25 @@ async def test_other_errors_at_commit_are_left_to_the_attempt_loop(error: Except
     attempt._tx = Tx(error)
     with pytest.raises(type(error)):
         await attempt.__aexit__(None, None, None)
+
+
+class Commits:
+    async def __aexit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        return None
+
+
+async def test_a_half_that_committed_gets_the_reset_even_when_a_later_half_raised() -> None:
+    """Bisection at COMMIT: the first half commits, the second raises. The committed half's
+    handlers may have left session state (SET ROLE …): the connection is reset all the
+    same, never handed to the next batch with it (Store.apply: committed_any)."""
+    conn = Conn()
+    txns = _PgTransactions(Pool(), conn, "w", results=False)
+    first, second = _PgAttempt(txns), _PgAttempt(txns)
+    first._tx = Commits()
+    await first.__aexit__(None, None, None)
+    second._tx = Tx(asyncpg.ForeignKeyViolationError("violates foreign key constraint"))
+    with pytest.raises(asyncpg.ForeignKeyViolationError):
+        await second.__aexit__(None, None, None)
+    assert txns.committed_any
+    await txns.finish(committed=False or txns.committed_any)
+    assert conn.resets == 1
