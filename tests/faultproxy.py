@@ -26,8 +26,35 @@ from tests.servers import free_port
 DELETE_ACTIONS = {"AmazonSQS.DeleteMessageBatch", "AmazonSQS.DeleteMessage"}
 
 
-class FaultProxy:
+class LoopThread:
+    """A test server in a thread with its own event loop, so the process under test can be
+    another: ``with`` starts it (``_start`` on that loop) and stops it (``_stop``)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+
+class FaultProxy(LoopThread):
     def __init__(self, upstream: str, latency_ms: float = 0.0) -> None:
+        super().__init__()
         self.upstream = upstream.rstrip("/")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,21 +68,8 @@ class FaultProxy:
         self.in_flight: collections.Counter[str] = collections.Counter()
         #: requests served, by action (the cost figures of ``make bench``: bench/costs.py)
         self.by_action: collections.Counter[str] = collections.Counter()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
     async def _start(self) -> None:
         self._session = aiohttp.ClientSession(

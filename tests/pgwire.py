@@ -14,8 +14,8 @@ import asyncio
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Self
 
+from tests.faultproxy import LoopThread
 from tests.servers import free_port
 
 SSL_REQUEST = 80877103
@@ -34,17 +34,16 @@ class Counts:
                       self.transactions - other.transactions)
 
 
-class PgWireCounter:
+class PgWireCounter(LoopThread):
     """``dsn(db)`` connects through the proxy; ``counts()`` is a snapshot of the totals."""
 
     def __init__(self, host: str, port: int, user: str) -> None:
+        super().__init__()
         self.upstream = (host, port)
         self.user = user
         self.port = free_port()
         self._totals = Counts()
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.base_events.Server | None = None
 
     def dsn(self, db: str = "postgres") -> str:
@@ -54,17 +53,6 @@ class PgWireCounter:
     def counts(self) -> Counts:
         with self._lock:
             return Counts(**vars(self._totals))
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
     async def _start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
