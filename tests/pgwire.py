@@ -115,10 +115,12 @@ class PgWireCounter(LoopThread):
             (length,) = struct.unpack("!i", head)
             body = await sr.readexactly(length - 4)
             answered, waiting[0] = waiting[0], False
-            cw.write(kind + head + body)
-            await cw.drain()
+            # Counted before it is relayed: a client that has read the answer (and takes a
+            # snapshot of the counts next) must find it counted.
             if answered or kind == b"Z":
                 self._count(answered, kind == b"Z" and body[:1] == b"I")
+            cw.write(kind + head + body)
+            await cw.drain()
 
     def _count(self, round_trip: bool, transaction_ended: bool) -> None:
         with self._lock:
