@@ -287,15 +287,16 @@ def test_env_names_and_secret_keys_exist() -> None:
                 assert e["name"] in known, f"{name}: {e['name']} is not a setting"
                 key_ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if key_ref:
-                    assert key_ref["name"] == "sqs-ingest-db", name
+                    assert key_ref["name"] == "DATABASE_SECRET", name
                     assert key_ref["key"] in secret_keys, name
     for name, pod in _pod_specs(objs):
-        # The DSN comes as a file: the key of sqs-ingest-db projected as database-url.
+        # The DSN comes as a file: the key of the database Secret (platform.env's
+        # DATABASE_SECRET, written in by the build) projected as database-url.
         db_env = {
             item["key"]
             for v in pod.get("volumes", []) if "projected" in v
             for src in v["projected"]["sources"] if src.get("secret", {}).get("name")
-            == "sqs-ingest-db"
+            == "DATABASE_SECRET"
             for item in src["secret"]["items"] if item["path"] == "database-url"
         }
         for c in pod["containers"]:
