@@ -39,7 +39,7 @@ def test_no_dsn_in_the_environment_of_any_pod() -> None:
     pods = _pod_specs()
     assert set(pods) == {"Deployment", "Job", "CronJob"}
     for kind, spec in pods.items():
-        for c in spec["containers"]:
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
             env = {e["name"]: e for e in c.get("env", [])}
             assert not [n for n in env if n in ("INGEST_DATABASE_URL", "INGEST_DATABASE_PASSWORD",
                                                 "INGEST_RECONCILE_PEER_URLS")], kind
