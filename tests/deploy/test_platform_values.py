@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.deploy.test_static import DEPLOY, _run, _tool
+from tests.deploy.test_static import DEPLOY, _run, _tool, _validate_botocore
 
 PLATFORM_ENV = DEPLOY / "platform" / "platform.env"
 #: Every kustomization a platform engineer applies (`kubectl apply -k deploy/<name>`).
@@ -269,3 +270,61 @@ def test_keda_reads_the_queue_with_its_own_identity(other_tree: Path) -> None:
     region = env_file(PLATFORM_ENV)["AWS_REGION"]
     account, queue = queue_url.rstrip("/").split("/")[-2:]
     assert statement["Resource"] == f"arn:aws:sqs:{region}:{account}:{queue}"
+
+
+# ----------------------------------------------------------- ECS and the IAM policies
+
+RENDER = DEPLOY / "ecs" / "render.py"
+
+
+def render_aws(out: Path, values: Path) -> dict[str, Any]:
+    """deploy/ecs/render.py run as its docstring says; the rendered documents by file name."""
+    _run([sys.executable, str(RENDER), str(out), "--values", str(values)])
+    return {p.name: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+
+
+def _aws_sources() -> dict[str, Path]:
+    return {p.name: p for p in [*sorted((DEPLOY / "ecs").glob("*.json")),
+                                DEPLOY / "k8s-keda" / "iam-policy-keda.json"]}
+
+
+def test_aws_render_with_the_shipped_values_gives_the_shipped_files(tmp_path: Path) -> None:
+    """The files hold exactly the values platform.env ships with: rendering changes nothing."""
+    rendered = render_aws(tmp_path / "out", PLATFORM_ENV)
+    sources = _aws_sources()
+    assert set(rendered) == set(sources)
+    for name, doc in rendered.items():
+        assert doc == json.loads(sources[name].read_text()), name
+
+
+def test_aws_render_carries_other_values_everywhere(tmp_path: Path) -> None:
+    values = tmp_path / "platform.env"
+    values.write_text("".join(f"{k}={v}\n" for k, v in OTHER.items()))
+    rendered = render_aws(tmp_path / "out", values)
+    shipped = env_file(PLATFORM_ENV)
+    for name, doc in rendered.items():
+        text = json.dumps(doc)
+        for key in ("IMAGE", "RECONCILE_IMAGE", "AWS_ACCOUNT_ID", "AWS_REGION", "QUEUE_URL"):
+            assert shipped[key] not in text, f"{name}: shipped {key} left"
+    for name in (n for n in rendered if n.startswith("task-definition")):
+        _validate_botocore(rendered[name], "ecs", "RegisterTaskDefinition")
+        for c in rendered[name]["containerDefinitions"]:
+            env = {e["name"]: e["value"] for e in c.get("environment", [])}
+            assert c["image"] == OTHER["RECONCILE_IMAGE" if c["command"][0] == "reconcile"
+                                       else "IMAGE"], name
+            assert env.get("INGEST_QUEUE_URL", OTHER["QUEUE_URL"]) == OTHER["QUEUE_URL"], name
+            assert env.get("INGEST_AWS_REGION", OTHER["AWS_REGION"]) == OTHER["AWS_REGION"], name
+            if c["command"][0] == "run":
+                assert env["INGEST_QUEUE_URL"] == OTHER["QUEUE_URL"], name
+                assert env["INGEST_HANDLERS"] == OTHER["HANDLERS"], name
+                assert env["INGEST_S3_EXPECTED_OWNER"] == OTHER["AWS_ACCOUNT_ID"], name
+    queue = "arn:aws:sqs:eu-north-1:210987654321:orders"
+    for name in ("iam-policy.json", "iam-policy-operator.json", "iam-policy-keda.json"):
+        resources = {r for st in rendered[name]["Statement"]
+                     for r in (st["Resource"] if isinstance(st["Resource"], list)
+                               else [st["Resource"]])}
+        assert queue in resources, name
+    dims = [d for q in rendered["autoscaling-policy.json"]["TargetTrackingScalingPolicyConfiguration"]
+            ["CustomizedMetricSpecification"]["Metrics"] if "MetricStat" in q
+            for d in q["MetricStat"]["Metric"]["Dimensions"] if d["Name"] == "QueueName"]
+    assert dims == [{"Name": "QueueName", "Value": "orders"}]
