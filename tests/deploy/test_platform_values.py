@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.test_static import DEPLOY, _run, _tool, _validate_botocore
+from tests.deploy.test_static import DEPLOY, _k8s_validate, _run, _tool, _validate_botocore
 
 PLATFORM_ENV = DEPLOY / "platform" / "platform.env"
 #: Every kustomization a platform engineer applies (`kubectl apply -k deploy/<name>`).
@@ -99,6 +99,10 @@ def test_every_kustomization_takes_the_values_from_platform_env(
                 f"shipped {key}={value} left in deploy/{name}")
     assert not [o for o in objs if o["metadata"]["name"] == "sqs-ingest-platform"], (
         "the values' ConfigMap is for kustomize only (local-config), never applied")
+    for doc in objs:
+        group = doc["apiVersion"].rpartition("/")[0]
+        if "." not in group or group.endswith(".k8s.io"):  # not the CRDs (KEDA, ESO)
+            _k8s_validate(doc, "latest")
 
     pods = _pod_specs(objs)
     assert set(pods) == {"Deployment", "Job", "CronJob"}
