@@ -1,7 +1,7 @@
-"""Narrow identities in the shipped manifests: KEDA reads the queue with a role of its own
-that may only GetQueueAttributes; no pod gets its DSN from an environment variable; S3 reads
-are pinned to the bucket owner's account; the NetworkPolicies' egress goes only to address
-blocks the user names (placeholders from the documentation ranges), never anywhere."""
+"""Narrow identities in the shipped manifests: no pod gets its DSN from an environment variable;
+S3 reads are pinned to the bucket owner's account; the NetworkPolicies' egress goes only to
+address blocks the user names (placeholders from the documentation ranges), never anywhere.
+(KEDA's own role: tests/deploy/test_platform_values.py, on the rendered overlay.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S, KEDA, ECS = ROOT / "deploy/k8s", ROOT / "deploy/k8s-keda", ROOT / "deploy/ecs"
+K8S, ECS = ROOT / "deploy/k8s", ROOT / "deploy/ecs"
 
 
 def _listed(v: Any) -> list[Any]:
@@ -22,24 +22,6 @@ def _listed(v: Any) -> list[Any]:
 
 def _yaml(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def test_keda_has_its_own_role_that_may_only_read_queue_attributes() -> None:
-    (auth,) = _yaml(KEDA / "triggerauthentication.yaml")
-    identity = auth["spec"]["podIdentity"]
-    assert identity["provider"] == "aws" and identity.get("identityOwner") == "keda"
-    (sa,) = [d for d in _yaml(K8S / "serviceaccount.yaml") if d["metadata"]["name"] == "sqs-ingest"]
-    daemon_role = sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
-    assert identity["roleArn"].startswith("arn:aws:iam::") and identity["roleArn"] != daemon_role
-    policy = json.loads((KEDA / "iam-policy-keda.json").read_text())
-    actions = [a for st in policy["Statement"] if st["Effect"] == "Allow"
-               for a in _listed(st["Action"])]
-    assert actions == ["sqs:GetQueueAttributes"]
-    (scaled,) = _yaml(KEDA / "scaledobject.yaml")
-    queue_url = scaled["spec"]["triggers"][0]["metadata"]["queueURL"]
-    account, name = queue_url.rstrip("/").split("/")[-2:]
-    (st,) = policy["Statement"]
-    assert _listed(st["Resource"]) == [f"arn:aws:sqs:us-east-1:{account}:{name}"]
 
 
 def _pod_specs() -> dict[str, dict[str, Any]]:
@@ -57,7 +39,7 @@ def test_no_dsn_in_the_environment_of_any_pod() -> None:
     pods = _pod_specs()
     assert set(pods) == {"Deployment", "Job", "CronJob"}
     for kind, spec in pods.items():
-        for c in spec["containers"]:
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
             env = {e["name"]: e for e in c.get("env", [])}
             assert not [n for n in env if n in ("INGEST_DATABASE_URL", "INGEST_DATABASE_PASSWORD",
                                                 "INGEST_RECONCILE_PEER_URLS")], kind
@@ -72,7 +54,11 @@ def test_no_dsn_in_the_environment_of_any_pod() -> None:
 
 def test_s3_reads_are_pinned_to_the_bucket_owner() -> None:
     (cm,) = _yaml(K8S / "configmap.yaml")
-    owner = cm["data"]["INGEST_S3_EXPECTED_OWNER"]
+    # The kustomize build writes platform.env's AWS_ACCOUNT_ID there (test_platform_values).
+    assert cm["data"]["INGEST_S3_EXPECTED_OWNER"] == "AWS_ACCOUNT_ID"
+    env = dict(line.split("=", 1) for line in (ROOT / "deploy/platform/platform.env")
+               .read_text().splitlines() if line and not line.startswith("#"))
+    owner = env["AWS_ACCOUNT_ID"]
     assert len(owner) == 12 and owner.isdigit()
     for path in sorted(ECS.glob("task-definition*.json")):
         for c in json.loads(path.read_text())["containerDefinitions"]:

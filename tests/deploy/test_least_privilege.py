@@ -259,9 +259,11 @@ def test_no_secret_in_the_base() -> None:
     gen = yaml.safe_load((ROOT / "deploy/k8s-secret-from-file/kustomization.yaml").read_text())
     assert gen["resources"] == ["../k8s"]
     (sg,) = gen["secretGenerator"]
-    assert sg["name"] == "sqs-ingest-db" and sg["envs"] == ["database.env"]
-    (ext,) = yaml.safe_load_all((K8S / "optional/external-secret.yaml").read_text())
-    assert ext["kind"] == "ExternalSecret" and ext["spec"]["target"]["name"] == "sqs-ingest-db"
+    # Both named by platform.env's DATABASE_SECRET (tests/deploy/test_platform_values.py).
+    assert sg["name"] == "DATABASE_SECRET" and sg["envs"] == ["database.env"]
+    ext_file = ROOT / "deploy/k8s-external-secret/external-secret.yaml"
+    (ext,) = yaml.safe_load_all(ext_file.read_text())
+    assert ext["kind"] == "ExternalSecret" and ext["spec"]["target"]["name"] == "DATABASE_SECRET"
     keys = {d["secretKey"] for d in ext["spec"]["data"]}
     example = (ROOT / "deploy/k8s-secret-from-file/database.env.example").read_text()
     assert keys == {line.split("=", 1)[0] for line in example.splitlines() if "=" in line}

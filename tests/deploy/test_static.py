@@ -35,7 +35,7 @@ PROM = DEPLOY / "prometheus"
 # newest schema kubernetes-validate ships.
 K8S_VERSIONS = ["1.27.0", "latest"]
 
-CLI_COMMANDS = {"run", "migrate", "gc", "dlq", "reconcile"}
+CLI_COMMANDS = {"run", "migrate", "grants", "gc", "dlq", "reconcile"}
 LONG_POLL_SECONDS = 20
 
 # SPEC §1 metric contract plus the operational extras the alerts rely on.
@@ -134,6 +134,11 @@ def _pod_specs(objs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]
             yield name, o["spec"]["jobTemplate"]["spec"]["template"]["spec"]
 
 
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """Init containers too: the migrate Job runs `migrate` as one, then `grants`."""
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
 def _k8s_validate(doc: dict[str, Any], version: str) -> None:
     kv = _import("kubernetes_validate", "pip install kubernetes-validate")
     if version == "latest":
@@ -220,7 +225,7 @@ def test_kustomize_renders_valid_objects(rendered: list[dict[str, Any]], version
     )
     for doc in rendered:
         _k8s_validate(doc, version)
-    images = {c["image"] for _, spec in _pod_specs(rendered) for c in spec["containers"]}
+    images = {c["image"] for _, spec in _pod_specs(rendered) for c in _containers(spec)}
     # kustomize `images:` must have rewritten every bare image name.
     assert all("/" in i and ":" in i for i in images), images
 
@@ -256,7 +261,7 @@ def test_pods_are_hardened_and_bounded() -> None:
         # One ServiceAccount per workload (tests/deploy/test_least_privilege.py).
         assert pod["serviceAccountName"].startswith("sqs-ingest"), name
         mounts_tmp = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
-        for c in pod["containers"]:
+        for c in _containers(pod):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True, name
             assert sc["allowPrivilegeEscalation"] is False, name
@@ -280,29 +285,30 @@ def test_env_names_and_secret_keys_exist() -> None:
     unknown = {k for k in cm["data"] if k not in known}
     assert not unknown, f"ConfigMap sets variables Settings does not read: {unknown}"
     for name, pod in _pod_specs(objs):
-        for c in pod["containers"]:
+        for c in _containers(pod):
             for ref in c.get("envFrom", []):
                 assert ref["configMapRef"]["name"] == cm["metadata"]["name"], name
             for e in c.get("env", []):
                 assert e["name"] in known, f"{name}: {e['name']} is not a setting"
                 key_ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if key_ref:
-                    assert key_ref["name"] == "sqs-ingest-db", name
+                    assert key_ref["name"] == "DATABASE_SECRET", name
                     assert key_ref["key"] in secret_keys, name
     for name, pod in _pod_specs(objs):
-        # The DSN comes as a file: the key of sqs-ingest-db projected as database-url.
+        # The DSN comes as a file: the key of the database Secret (platform.env's
+        # DATABASE_SECRET, written in by the build) projected as database-url.
         db_env = {
             item["key"]
             for v in pod.get("volumes", []) if "projected" in v
             for src in v["projected"]["sources"] if src.get("secret", {}).get("name")
-            == "sqs-ingest-db"
+            == "DATABASE_SECRET"
             for item in src["secret"]["items"] if item["path"] == "database-url"
         }
-        for c in pod["containers"]:
+        for c in _containers(pod):
             names = {e["name"] for e in c.get("env", [])}
             assert "INGEST_DATABASE_URL" not in names, name
             assert "INGEST_DATABASE_URL_FILE" in names, name
-        for ref in (e.get("valueFrom", {}).get("secretKeyRef") for c in pod["containers"]
+        for ref in (e.get("valueFrom", {}).get("secretKeyRef") for c in _containers(pod)
                     for e in c.get("env", [])):
             assert ref is None or ref["key"] in secret_keys, name
         # Only the migrate Job holds the DDL-capable owner role; the reconcile CronJob its own.

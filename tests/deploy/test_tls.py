@@ -77,6 +77,6 @@ def test_pods_that_reach_the_database_mount_its_ca() -> None:
         cms = [s["configMap"] for s in sources if "configMap" in s]
         assert cms == [{"name": "sqs-ingest-db-ca",
                         "items": [{"key": "ca.pem", "path": "ca.pem"}]}], name
-        for c in spec["containers"]:
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
             mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
             assert mounts["db"]["mountPath"] == MOUNT and mounts["db"]["readOnly"], name

@@ -20,9 +20,11 @@ from typing import Any
 
 import asyncpg
 import pytest
+import yaml
 
 from service.adapters.migrate import migrate
 from tests.acceptance.harness import Daemon, daemon_env, send_all, upsert, wait_drained
+from tests.handler_package import install, write_package
 from tests.servers import Postgres, _pg_bin, postgres_server, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -509,3 +511,43 @@ def test_roles_sql_refuses_a_cleartext_password(cluster: tuple[Postgres, str, st
                               "PGOPTIONS": f"-c sqs_ingest.app_password={cleartext}"})
     assert res.returncode != 0 and "SCRAM-SHA-256 verifier" in res.stderr, res.stderr
     assert cleartext not in res.stderr + res.stdout
+
+
+def test_the_migrate_job_gives_the_app_role_a_handler_packages_table(
+    cluster: tuple[Postgres, str, str], tmp_path: Path,
+) -> None:
+    """deploy/k8s/migrate-job.yaml's steps, in its order, as ``sqs_ingest_owner`` on a fresh
+    database (roles.sql applied) with a handler package installed: afterwards the daemon's
+    role may write the package's table (without it ``run`` stops on ``db_privilege``)."""
+    pg, owner_pw, _ = cluster
+    db = "job_" + uuid.uuid4().hex[:8]
+    for target, args in ((pg.dsn(), ["-c", f"CREATE DATABASE {db}"]),
+                         (pg.dsn(db), ["-f", str(ROLES_SQL)])):
+        res = subprocess.run([_pg_bin("psql"), "-v", "ON_ERROR_STOP=1", "-q", "-d", target,
+                              *args], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    site = tmp_path / "site"
+    (tmp_path / "acme-orders").mkdir()
+    install(write_package(tmp_path / "acme-orders"), site)
+    (job,) = yaml.safe_load_all((REPO / "deploy/k8s/migrate-job.yaml").read_text())
+    spec = job["spec"]["template"]["spec"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("INGEST_")},
+           "INGEST_DATABASE_URL": role_dsn(pg, "sqs_ingest_owner", owner_pw, db),
+           "INGEST_QUEUE_URL": "http://127.0.0.1:9/q",
+           "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    for step in spec.get("initContainers", []) + spec["containers"]:
+        res = subprocess.run([sys.executable, "-m", "service", *step["args"]], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, (step["name"], res.stdout, res.stderr)
+
+    async def privileges() -> tuple[bool, bool]:
+        conn = await asyncpg.connect(pg.dsn(db))
+        try:
+            row = await conn.fetchrow(
+                "SELECT has_table_privilege('sqs_ingest_app', 'acme_orders', 'INSERT'),"
+                " has_sequence_privilege('sqs_ingest_app', 'acme_orders_id_seq', 'USAGE')")
+            return bool(row[0]), bool(row[1])
+        finally:
+            await conn.close()
+
+    assert asyncio.run(privileges()) == (True, True)
