@@ -44,11 +44,14 @@ RUN python -m venv /opt/build \
 # Cut what the daemon never runs (README "Container figures"): pip and setuptools
 # (~26 MB) only install, and botocore ships a model for every AWS service (~27 MB) where
 # the daemon calls SQS, S3 (large payloads), SNS (results) and the credential chain's STS,
-# SSO and sign-in. A handler that needs another service: --build-arg BOTOCORE_SERVICES=all.
+# SSO and sign-in. The services your handlers call are kept too: --build-arg
+# HANDLER_AWS_SERVICES="dynamodb kms" (docs/getting-started/ship-it.md); every one:
+# --build-arg BOTOCORE_SERVICES=all.
 ARG BOTOCORE_SERVICES="sqs s3 sns sts sso sso-oidc signin"
+ARG HANDLER_AWS_SERVICES=""
 RUN if [ "${BOTOCORE_SERVICES}" != all ]; then \
         data="$(python -c 'import botocore, os; print(os.path.dirname(botocore.__file__))')/data" \
-        && keep=" ${BOTOCORE_SERVICES} " \
+        && keep=" ${BOTOCORE_SERVICES} ${HANDLER_AWS_SERVICES} " \
         && for d in "${data}"/*/; do \
              name="$(basename "${d}")"; \
              case "${keep}" in *" ${name} "*) ;; *) rm -rf "${d}" ;; esac; \
