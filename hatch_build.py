@@ -37,10 +37,11 @@ class KitEntryPoints(MetadataHookInterface):
 
 
 class KitFiles(BuildHookInterface):  # type: ignore[type-arg]
-    """service/testing's modules, in the default wheel only."""
+    """service/testing's modules, in the default wheel only (an editable install reads them
+    from the tree)."""
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
-        if self.target_name != "wheel" or runtime_wheel():
+        if self.target_name != "wheel" or version == "editable" or runtime_wheel():
             return
         for path in sorted((Path(self.root) / KIT).glob("*.py")):
             build_data["force_include"][str(path)] = f"{KIT}/{path.name}"
