@@ -7,9 +7,9 @@ The ```shell block (step 6, the image recipe: Docker) is run by
 tests/container/test_handler_image.py.
 
 One command is stood in for: ``pip install -e .`` would build the package in an isolated
-environment, fetching its build backend, and the tests are offline; in its place the package is laid
-out as pip installs it (tests/handler_package.install: the package and a dist-info with the
-pyproject's entry points) in a folder on PYTHONPATH. Any other command is run as written."""
+environment, fetching its build backend, and the tests are offline; in its place the
+package is laid out as pip installs it (tests/handler_package.install: the package and a
+dist-info with the pyproject's entry points) in a folder on PYTHONPATH. Any other command is run as written."""
 
 from __future__ import annotations
 
