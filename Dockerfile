@@ -28,25 +28,30 @@ RUN if [ "${WITH_OTEL}" = 1 ]; then pip install --require-hashes -r /src/require
 
 # ---------------------------------------------------------------- builder
 FROM deps AS builder
-COPY pyproject.toml README.md ./
+COPY pyproject.toml hatch_build.py README.md ./
 COPY migrations ./migrations
 COPY service ./service
 # Our own wheel (migrations are force-included as service/migrations), into the venv that
 # is copied to the runtime. Built by the locked backend (requirements/build.txt, hashed) in
 # a venv of its own, without build isolation: nothing is fetched unhashed, and the backend
-# never reaches the runtime image.
+# never reaches the runtime image. SQS_INGEST_WHEEL=runtime: the wheel without the handler
+# author's test kit and its pytest plugin (service/testing, hatch_build.py).
 RUN python -m venv /opt/build \
     && /opt/build/bin/pip install --require-hashes -r /src/requirements/build.txt \
-    && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /dist . \
+    && SQS_INGEST_WHEEL=runtime /opt/build/bin/pip wheel --no-deps --no-build-isolation \
+       --wheel-dir /dist . \
     && pip install --no-deps /dist/*.whl
 # Cut what the daemon never runs (README "Container figures"): pip and setuptools
 # (~26 MB) only install, and botocore ships a model for every AWS service (~27 MB) where
 # the daemon calls SQS, S3 (large payloads), SNS (results) and the credential chain's STS,
-# SSO and sign-in. A handler that needs another service: --build-arg BOTOCORE_SERVICES=all.
+# SSO and sign-in. The services your handlers call are kept too: --build-arg
+# HANDLER_AWS_SERVICES="dynamodb kms" (docs/getting-started/ship-it.md); every one:
+# --build-arg BOTOCORE_SERVICES=all.
 ARG BOTOCORE_SERVICES="sqs s3 sns sts sso sso-oidc signin"
+ARG HANDLER_AWS_SERVICES=""
 RUN if [ "${BOTOCORE_SERVICES}" != all ]; then \
         data="$(python -c 'import botocore, os; print(os.path.dirname(botocore.__file__))')/data" \
-        && keep=" ${BOTOCORE_SERVICES} " \
+        && keep=" ${BOTOCORE_SERVICES} ${HANDLER_AWS_SERVICES} " \
         && for d in "${data}"/*/; do \
              name="$(basename "${d}")"; \
              case "${keep}" in *" ${name} "*) ;; *) rm -rf "${d}" ;; esac; \

@@ -9,13 +9,18 @@
 # to build on an image you already have instead.
 #
 #   scripts/image.sh            # base (if missing) + both images
+#   scripts/image.sh daemon     # base (if missing) + the daemon's image only
 #   scripts/image.sh base       # print the base image's name, building it if missing
+#
+# IMAGE_TAG (default latest) tags the images; HANDLER_AWS_SERVICES (e.g. "dynamodb kms"):
+# the AWS services your handlers call, whose botocore models the daemon's image keeps.
 #
 # Needs a running engine (scripts/engine.sh start) and root for debootstrap.
 set -euo pipefail
 SELF=$(realpath "$0")
 cd "$(dirname "$0")/.."
 TAG=${IMAGE_TAG:-latest}
+HANDLER_AWS_SERVICES=${HANDLER_AWS_SERVICES:-}
 SUITE=bookworm
 PACKAGES=python3,python3-venv,python-is-python3,ca-certificates
 # The proxy in front of package servers may present its own CA: pip inside the build
@@ -102,7 +107,8 @@ build() {
   lock=$(cat requirements/runtime.txt requirements/otel.txt requirements/reconcile.txt \
          | sha256sum | cut -d' ' -f1)
   if ! DOCKER_BUILDKIT=0 docker build --network host --build-arg "PYTHON_IMAGE=$base" \
-      --build-arg "LOCK_SHA256=$lock" --target "$target" -t "$image" . >"$log" 2>&1; then
+      --build-arg "LOCK_SHA256=$lock" --build-arg "HANDLER_AWS_SERVICES=$HANDLER_AWS_SERVICES" \
+      --target "$target" -t "$image" . >"$log" 2>&1; then
     tail -n 30 "$log" >&2
     echo "image.sh: building $image failed (full log: $log)" >&2
     exit 1
@@ -120,5 +126,8 @@ all)
   docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' \
     | grep -E "^(sqs-ingest|sqs-ingest-reconcile):$TAG |^${base} " || true
   ;;
-*) echo "usage: $0 [all|base|mirror]" >&2; exit 64 ;;
+daemon)
+  build "${PYTHON_IMAGE:-$(base_image)}" runtime "sqs-ingest:$TAG"
+  ;;
+*) echo "usage: $0 [all|daemon|base|mirror]" >&2; exit 64 ;;
 esac

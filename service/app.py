@@ -26,14 +26,12 @@ from service.errors import DatabaseError, SchemaBehind, TransientError, driver_e
 from service.handlers import default_registry, load_handler_modules, load_reference_handlers
 from service.observe import metrics
 from service.ops import diagnose
-from service.runtime import crashpoint
 from service.runtime.results import Publisher
 from service.runtime.worker import EXIT_FATAL, Worker
 from service.settings import (
     CONTROL_POOL_SIZE,
     MIN_VISIBILITY_TIMEOUT,
     Settings,
-    crash_point_from_env,
 )
 
 log = structlog.get_logger("sqs_ingest.app")
@@ -88,7 +86,6 @@ async def _retry(
 
 
 async def run(settings: Settings, early_signals: list[int] | None = None) -> int:
-    crashpoint.arm(crash_point_from_env())  # tests only; None in a deployment
     load_reference_handlers()
     load_handler_modules(settings.handler_modules)  # already imported by the CLI: cached
     state = _Startup()

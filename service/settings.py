@@ -617,11 +617,3 @@ def reconcile_peers_from_env(environ: Mapping[str, str] | None = None) -> list[s
 def peer_lines(text: str) -> list[str]:
     lines = [line.strip() for line in text.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
-
-
-def crash_point_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """``INGEST_TEST_CRASH_AT``: where the chaos tests make the daemon kill itself
-    (service.runtime.crashpoint; tests/acceptance/test_crash_point.py). A variable of the test
-    harness, not a setting: never set in a deployment. Unset or empty: None."""
-    env = os.environ if environ is None else environ
-    return env.get(f"{ENV_PREFIX}TEST_CRASH_AT") or None

@@ -39,7 +39,6 @@ from service.handlers import Registry
 from service.handlers.invoke import Invoker
 from service.observe import metrics, tracing
 from service.runtime.bisection import Bisection
-from service.runtime.crashpoint import AFTER_COMMIT_BEFORE_DELETE, crash_point
 from service.runtime.dbhealth import DatabaseHealth
 from service.runtime.executor import InFlight, PlanExecutor
 from service.runtime.resolve import resolve_batch
@@ -223,8 +222,6 @@ class BatchProcessor:
             res = await self.store.apply(
                 to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching
             )
-        if res.completed:
-            crash_point(AFTER_COMMIT_BEFORE_DELETE)  # tests only (service.runtime.crashpoint)
         plan = settle(res, self.policy)
         if res.blocked:
             await self.store.release(res.blocked)

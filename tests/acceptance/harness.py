@@ -22,6 +22,7 @@ import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.acceptance.chaos_handlers import LEDGER_DDL
+from tests.crashpoint import VARIABLE as CRASH_VARIABLE
 from tests.servers import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +40,8 @@ def chaos_seed(default: int) -> int:
 
 
 class Daemon:
-    """One ``python -m service run`` process with its own log file and HTTP port."""
+    """One ``python -m service run`` process with its own log file and HTTP port (``python -m
+    tests.crashpoint run`` when the env sets INGEST_TEST_CRASH_AT)."""
 
     def __init__(self, env: dict[str, str], log_dir: Path, name: str = "daemon") -> None:
         self.port = free_port()
@@ -54,7 +56,10 @@ class Daemon:
     def start(self) -> Daemon:
         self.starts += 1
         log = open(self.log_dir / f"{self.name}.{self.starts}.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "run"], env=self.env,
+        # With INGEST_TEST_CRASH_AT, through the harness's crash point (tests/crashpoint.py):
+        # the daemon itself has none.
+        main = "tests.crashpoint" if self.env.get(CRASH_VARIABLE) else "service"
+        self.proc = subprocess.Popen([sys.executable, "-m", main, "run"], env=self.env,
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
         return self

@@ -1,7 +1,8 @@
 """The moment exactly-once exists for, made to happen on purpose: the daemon dies right
-after a batch's commit and before any of its deletes (INGEST_TEST_CRASH_AT, service.runtime.crashpoint);
-restarted, it meets each committed message again and resolves it as a duplicate — no effect
-twice. And the ledger check's broken twin: a handler that applies twice turns it red."""
+after a batch's commit and before any of its deletes (INGEST_TEST_CRASH_AT, a crash point the
+harness installs: tests/crashpoint.py); restarted, it meets each committed message again and
+resolves it as a duplicate — no effect twice. And the ledger check's broken twin: a handler
+that applies twice turns it red."""
 
 from __future__ import annotations
 

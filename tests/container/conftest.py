@@ -9,10 +9,12 @@ an engine skips them, naming the fix — and ``make test``'s strict mode fails t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,10 +56,14 @@ def engine() -> None:
 
 @pytest.fixture(scope="session")
 def images(engine: None) -> dict[str, float]:
-    """``make image``'s script, timed (seconds); a no-op rebuild when nothing changed."""
+    """``make image``'s script, timed (seconds); a no-op rebuild when nothing changed. One
+    build at a time: the test files of tests/container run on several workers (make test's
+    --dist loadfile), and a second cold build beside the first would redo its downloads."""
     started = time.monotonic()
-    proc = subprocess.run([str(ROOT / "scripts" / "image.sh")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=BUILD_TIMEOUT)
+    with open(Path(tempfile.gettempdir()) / "sqs-ingest-image.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        proc = subprocess.run([str(ROOT / "scripts" / "image.sh")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {"build_seconds": time.monotonic() - started}
 

@@ -1,8 +1,9 @@
 """Every install step fetches only what the lock names, by hash (issue 42): in the
-Dockerfile, .ci/run and scripts/, each `pip install` / `uv pip install` installs a locked
-set with --require-hashes, or the project itself with --no-deps and (when it builds it)
---no-build-isolation, so the build backend comes from the locked environment
-(requirements/build.txt) instead of a fresh, unhashed download; `pip wheel` likewise."""
+Dockerfile, the handler image recipe (examples/invoices/Dockerfile), .ci/run and scripts/,
+each `pip install` / `uv pip install` installs a locked set with --require-hashes, or the
+project itself with --no-deps and (when it builds it) --no-build-isolation, so the build
+backend comes from the locked environment (requirements/build.txt) instead of a fresh,
+unhashed download; `pip wheel` likewise."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ REQ = ROOT / "requirements"
 def _files() -> list[Path]:
     scripts = [p for p in (ROOT / "scripts").rglob("*") if p.is_file()
                and p.suffix in ("", ".sh")]
-    return [ROOT / "Dockerfile", ROOT / ".ci/run", *sorted(scripts)]
+    return [ROOT / "Dockerfile", ROOT / ".ci/run", *sorted(scripts),
+            ROOT / "examples/invoices/Dockerfile"]
 
 
 def _commands(path: Path) -> list[list[str]]:

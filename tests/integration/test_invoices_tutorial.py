@@ -3,10 +3,13 @@ bash (``set -euo pipefail``) in a copy of the example folder, against the tests'
 and moto_server. Then the request the tutorial sent is COMPLETED once and its row is in the
 package's table.
 
-One command is stood in for: ``pip install -e .`` would build the package, and this offline
-venv has no wheel builder (setuptools without ``wheel``); in its place the package is laid
-out as pip installs it (tests/handler_package.install: the package and a dist-info with the
-pyproject's entry points) in a folder on PYTHONPATH. Any other command is run as written."""
+The ```shell block (step 6, the image recipe: Docker) is run by
+tests/container/test_handler_image.py.
+
+One command is stood in for: ``pip install -e .`` would build the package in an isolated
+environment, fetching its build backend, and the tests are offline; in its place the
+package is laid out as pip installs it (tests/handler_package.install: the package and a
+dist-info with the pyproject's entry points) in a folder on PYTHONPATH. Any other command is run as written."""
 
 from __future__ import annotations
 

@@ -505,12 +505,12 @@ async def test_a_handler_failure_on_the_queues_last_receive_is_dead_lettered_at_
 async def test_the_crash_point_fires_after_the_commit_before_any_delete(
     registry: Registry, calls: list[int], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """INGEST_TEST_CRASH_AT=after_commit_before_delete (read at import; set here on the
-    module): the crash point is reached once the batch's rows are committed and while its
-    message is still on the queue. The kill is replaced by a snapshot of that moment."""
+    """The chaos harness's crash point (tests/crashpoint.py, wrapped around the store's
+    apply): it is reached once the batch's rows are committed and while its message is still
+    on the queue. The kill is replaced by a snapshot of that moment."""
     import types
 
-    from service.runtime import crashpoint
+    from tests import crashpoint
 
     q = FakeQueue()
     h = Harness(settings(pollers=1), registry, q)
@@ -519,9 +519,10 @@ async def test_the_crash_point_fires_after_the_commit_before_any_delete(
     def kill(pid: int, sig: int) -> None:
         seen.append(({k: r.status for k, r in h.store.rows.items()}, list(q.deleted)))
 
-    monkeypatch.setattr(crashpoint, "_AT", crashpoint.AFTER_COMMIT_BEFORE_DELETE)
+    monkeypatch.setattr(FakeStore, "apply", FakeStore.apply)  # restored after the test
     monkeypatch.setattr(crashpoint, "os", types.SimpleNamespace(
         write=lambda fd, data: len(data), getpid=lambda: 0, kill=kill))
+    crashpoint.install(FakeStore, crashpoint.AFTER_COMMIT_BEFORE_DELETE)
     mid = q.send(body("r1", 1))
     async with h:
         await until(lambda: not q.messages, "acked")
