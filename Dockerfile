@@ -87,9 +87,12 @@ RUN mkdir -p /usr/share/man/man1 \
 COPY --from=builder-reconcile /opt/venv /opt/venv
 # The sidecar's metrics listen on every interface here (the scraper is outside the
 # container); run outside an image, they default to 127.0.0.1.
+# PYTHONSAFEPATH: the working directory (/tmp, the one writable place, shared with the daemon
+# in the ECS sidecar task) is never on the import path, not even for `python -c` probes.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONSAFEPATH=1 \
     HOME=/tmp \
     INGEST_RECONCILE_METRICS_HOST=0.0.0.0
 # Spark writes scratch files under the working directory and java.io.tmpdir:
@@ -112,9 +115,12 @@ RUN groupadd --system --gid 10001 ingest \
 COPY --from=builder /opt/venv /opt/venv
 # Probes and scrapes come from outside the container: every interface here (the daemon's
 # own default, outside an image, is 127.0.0.1).
+# PYTHONSAFEPATH: the working directory (/tmp, writable) is never on the import path, not
+# even for the health check's `python -c`: a file written there is not code that runs.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONSAFEPATH=1 \
     INGEST_HTTP_PORT=9102 \
     INGEST_HTTP_HOST=0.0.0.0
 # The lock the image was built from: sha256 of requirements/runtime.txt, otel.txt and

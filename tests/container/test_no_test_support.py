@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.acceptance.harness import Workload, check_invariants, queue_depth, send_all
-from tests.container.conftest import DAEMON_IMAGE, Container, docker
+from tests.container.conftest import DAEMON_IMAGE, RECONCILE_IMAGE, Container, docker
 from tests.container.test_images import (
     GRACE,
     create_handler_tables,
@@ -75,3 +75,20 @@ async def test_the_crash_variable_changes_nothing_in_the_image(
     await check_invariants(database_url, w, sqs_client, queue_url)
     assert d.stop(GRACE) == 0, d.logs()
     assert "crash_point" not in d.logs()
+
+
+@pytest.mark.parametrize("image", [DAEMON_IMAGE, RECONCILE_IMAGE])
+def test_a_file_in_the_working_directory_is_not_imported(
+    images: dict[str, float], image: str, tmp_path: Path,
+) -> None:
+    """/tmp is the images' working directory and their one writable place (shared by the
+    daemon and the reconcile sidecar in ECS): a ``urllib.py`` planted there must not shadow
+    the standard library for the health check's ``python -c "import urllib.request…"``."""
+    planted = tmp_path / "urllib.py"
+    planted.write_text("print('PLANTED')\n")
+    planted.chmod(0o644)
+    tmp_path.chmod(0o755)
+    out = docker("run", "--rm", "--network", "none", "--entrypoint", "python",
+                 "-v", f"{tmp_path}:/tmp:ro", image,
+                 "-c", "import urllib.request; print(urllib.__file__)").strip()
+    assert "PLANTED" not in out and not out.startswith("/tmp"), out
