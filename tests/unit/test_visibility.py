@@ -326,3 +326,34 @@ def test_a_failed_entry_in_a_shared_request_fails_only_its_message() -> None:
     for _, ids in started:
         for mid in ids:
             assert extended.count(mid) == (0 if mid == victim else 2)
+
+
+def test_a_batch_that_finishes_while_its_extension_lingers_sends_none_after() -> None:
+    """Two batches 2 s apart (vt 30, linger 3 s): the first's extension waits for the
+    second's; the first finishes meanwhile (stop_extender, before its acks or releases).
+    Its extension never goes out — it would hide a released message again — and the
+    second's goes when due, alone."""
+
+    async def scenario() -> tuple[list[tuple[float, list[str]]], list[str], list[str], float]:
+        loop = asyncio.get_running_loop()
+        queue = CountingQueue()
+        for i in range(3):
+            queue.send(f'{{"n": {i}}}')
+        executor = PlanExecutor(queue, None, ReceiveLimit(5))  # type: ignore[arg-type]
+        hb = VisibilityHeartbeat(executor, 30, clock=loop.time, sleep=asyncio.sleep)
+        first = InFlight(await queue.receive(2, 0, 30))
+        hb.ensure(first)
+        await asyncio.sleep(2)
+        second = InFlight(await queue.receive(1, 0, 30))
+        second_start = loop.time()
+        hb.ensure(second)
+        await asyncio.sleep(12.5)  # 14.5 s: the first woke at 12 and waits until 15
+        await first.stop_extender()
+        await asyncio.sleep(10)
+        await second.stop_extender()
+        return queue.requests, list(first.unresolved), list(second.unresolved), second_start
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        requests, _, second, start = runner.run(scenario())
+    assert [ids for _, ids in requests] == [second]
+    assert requests[0][0] == start + 15
