@@ -58,7 +58,7 @@ class Coalescer(Generic[T]):
     def __init__(
         self,
         send: Send[T],
-        linger: float,
+        linger: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:

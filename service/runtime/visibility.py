@@ -67,7 +67,6 @@ class VisibilityHeartbeat:
             # vt / 2 would be a tick under a second (0: a loop of calls that never sleeps).
             raise ValueError(f"visibility timeout {visibility_timeout} < "
                              f"{MIN_VISIBILITY_TIMEOUT}: the heartbeat cannot keep up")
-        self.executor = executor
         self.visibility_timeout = visibility_timeout
         self.clock = clock
         self.sleep = sleep
@@ -76,9 +75,9 @@ class VisibilityHeartbeat:
         #: call, the next wake-up must come at least a quarter timeout later.
         self.linger = min(visibility_timeout * LINGER_FRACTION if linger is None else linger,
                           visibility_timeout / 4)
-        # One for all the worker's batches: extensions falling due close together share calls.
-        self.extensions = ExtensionCoalescer(executor.change_visibility, self.linger,
-                                             clock=clock, sleep=sleep)
+        # One for all the worker's batches: extensions falling due close together share
+        # calls (each extension gives its own linger).
+        self.extensions = ExtensionCoalescer(executor.change_visibility, clock=clock, sleep=sleep)
 
     def ensure(self, flight: InFlight) -> None:
         """Start the flight's heartbeat unless it runs: a finished half of a bisection

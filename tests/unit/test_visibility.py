@@ -9,6 +9,7 @@ import asyncio
 import math
 import selectors
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -357,3 +358,26 @@ def test_a_batch_that_finishes_while_its_extension_lingers_sends_none_after() ->
         requests, _, second, start = runner.run(scenario())
     assert [ids for _, ids in requests] == [second]
     assert requests[0][0] == start + 15
+
+
+async def test_a_batch_of_ten_or_more_is_extended_alone_when_due() -> None:
+    """Ten unresolved messages fill a request: no early wake-up, no linger — the call goes
+    when due, as without a linger."""
+    vt, clock, flight = 30, Clock(10), flight_of(10)
+    sqs = Sqs(clock, vt, flight, steps=[lambda: flight.resolve(flight.batch)])
+    hb = VisibilityHeartbeat(sqs, vt, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    assert hb.linger == 3.0
+    hb.ensure(flight)
+    assert flight.extender is not None
+    await asyncio.wait_for(flight.extender, 5)
+    assert clock.slept == [15.0, 12.0]  # the next wake-up (early: none left) ends it
+    assert [t for t, _ in sqs.calls] == [15.0]
+
+
+@pytest.mark.parametrize(("linger", "kept"), [(None, 3.0), (5.0, 5.0), (20.0, 7.5)])
+def test_the_linger_is_a_tenth_of_the_timeout_and_at_most_a_quarter(
+        linger: float | None, kept: float) -> None:
+    """Past a quarter timeout, a batch woken that early would be extended again less than
+    a quarter timeout after its previous extension."""
+    executor = SimpleNamespace(change_visibility=None)
+    assert VisibilityHeartbeat(executor, 30, linger=linger).linger == kept  # type: ignore[arg-type]
