@@ -16,11 +16,19 @@ default 30, sent one SendMessage at a time), each counted from the daemon's firs
 answer until every message is COMPLETED and the queue is empty. The trickle also reports
 send -> COMPLETED latency (p50, p99; the producer's clock and the database's, one host).
 Idle long polls within the window are counted: they are what a trickle costs.
+
+A third load, **slow** (COSTS_SLOW_RATE messages a second, default 20, for
+COSTS_SLOW_SECONDS, default 10), is a trickle of ``bench.slow`` messages whose batches each
+take COSTS_SLOW_HANDLER seconds (default 3; bench/slow_handler.py) under a visibility
+timeout of COSTS_SLOW_VT (default 4): every batch is extended while it runs, and the
+heartbeat's ChangeMessageVisibilityBatch requests are counted per message and per entry
+(``sqs_ingest_visibility_extensions_total``). COSTS_SLOW_SECONDS=0 skips it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -30,6 +38,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +74,10 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
     n = int(_env_num("COSTS_N", 3000))
     rate = _env_num("COSTS_RATE", 50)
     seconds = _env_num("COSTS_SECONDS", 30)
+    slow = mode == "slow"
+    if slow:
+        rate = _env_num("COSTS_SLOW_RATE", 20)
+        seconds = _env_num("COSTS_SLOW_SECONDS", 10)
     label = env.next(f"costs-{mode}-")
     db = label.replace("-", "_")
     direct = tp.new_database(env, db)
@@ -82,6 +95,9 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
         denv = {**os.environ, "INGEST_QUEUE_URL": url, "INGEST_DATABASE_URL": wire.dsn(db),
                 "INGEST_SQS_ENDPOINT_URL": sqs.url, "INGEST_HTTP_PORT": str(port),
                 "INGEST_HTTP_HOST": "127.0.0.1"}
+        if slow:
+            denv.update(INGEST_HANDLERS="bench.slow_handler",
+                        INGEST_VISIBILITY_TIMEOUT=str(int(_env_num("COSTS_SLOW_VT", 4))))
         proc = subprocess.Popen([sys.executable, "-m", "service", "run"], cwd=ROOT, env=denv,
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -89,10 +105,12 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
             sqs0, pg0 = Counter(sqs.by_action), wire.counts()
             wal0 = _one(direct, "SELECT pg_current_wal_lsn()::text")
             batches0 = _batches(tp, port)
+            extended0 = _metric(tp, port, "sqs_ingest_visibility_extensions_total")
             sent: dict[str, float] = {}
-            if mode == "trickle":
+            if mode in ("trickle", "slow"):
                 n = int(rate * seconds)
-                sent = _trickle(tp, env.ls.url, url, label, n, rate)
+                sent = _trickle(tp, env.ls.url, url, label, n, rate,
+                                _slow_body if slow else tp.make_body)
             deadline = time.monotonic() + max(120.0, n / 20)
             while _one(direct, "SELECT count(*) FROM modifications WHERE status = "
                                "'COMPLETED'") < n:
@@ -103,6 +121,7 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
             sqs1, pg1 = Counter(sqs.by_action), wire.counts()
             wal = _one(direct, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)", wal0)
             batches = _batches(tp, port) - batches0
+            extended = _metric(tp, port, "sqs_ingest_visibility_extensions_total") - extended0
             if sent:
                 res.update(_latency(direct, sent))
         finally:
@@ -124,6 +143,8 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
         "pg_round_trips_per_batch": (trips.round_trips - trips.connections) / max(batches, 1),
         "transactions_per_message": (trips.transactions - trips.connections) / n,
         "wal_bytes_per_message": float(wal) / n,
+        "extensions_per_message": extended / n,
+        "extension_requests_per_message": by_action.get("ChangeMessageVisibilityBatch", 0) / n,
         "log": str(log_path.relative_to(ROOT)),
     })
     return res
@@ -140,12 +161,20 @@ def _ready(port: int, proc: subprocess.Popen[bytes]) -> bool:
 
 
 def _batches(tp: Any, port: int) -> float:
-    return sum(v for (k, _), v in tp.scrape(port).items()
-               if k == "sqs_ingest_batch_duration_seconds_count")
+    return _metric(tp, port, "sqs_ingest_batch_duration_seconds_count")
+
+
+def _metric(tp: Any, port: int, name: str) -> float:
+    return float(sum(v for (k, _), v in tp.scrape(port).items() if k == name))
+
+
+def _slow_body(label: str, i: int) -> str:
+    return json.dumps({"request_id": f"{label}-{i:08d}", "type": "bench.slow",
+                       "payload": {"n": i}})
 
 
 def _trickle(tp: Any, endpoint: str, url: str, label: str, n: int,
-             rate: float) -> dict[str, float]:
+             rate: float, make_body: Callable[[str, int], str]) -> dict[str, float]:
     """``n`` messages, one SendMessage each, every 1/rate s on a fixed schedule; returns
     request_id -> wall time of its send."""
     client = tp.sqs_sync(endpoint)
@@ -155,7 +184,7 @@ def _trickle(tp: Any, endpoint: str, url: str, label: str, n: int,
         delay = start + i / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        body = tp.make_body(label, i)
+        body = make_body(label, i)
         t = time.time()
         client.send_message(QueueUrl=url, MessageBody=body)
         sent[f"{label}-{i:08d}"] = t
@@ -172,7 +201,10 @@ def _latency(dsn: str, sent: dict[str, float]) -> dict[str, Any]:
 
 
 def phase(tp: Any, env: Any) -> dict[str, Any]:
-    return {"backlog": measure(tp, env, "backlog"), "trickle": measure(tp, env, "trickle")}
+    out = {"backlog": measure(tp, env, "backlog"), "trickle": measure(tp, env, "trickle")}
+    if _env_num("COSTS_SLOW_SECONDS", 10) > 0:
+        out["slow"] = measure(tp, env, "slow")
+    return out
 
 
 def report(c: dict[str, Any]) -> list[str]:
@@ -197,4 +229,15 @@ def report(c: dict[str, Any]) -> list[str]:
     if "latency_p99_s" in t:
         lines.append(f"trickle send -> COMPLETED: p50 {t['latency_p50_s']:.3f} s, "
                      f"p99 {t['latency_p99_s']:.3f} s, max {t['latency_max_s']:.3f} s")
+    s = c.get("slow")
+    if s:
+        requests = s["extension_requests_per_message"]
+        per = s["extensions_per_message"] / requests if requests else 0.0
+        lines.append(
+            f"slow handlers ({s['messages']:,} messages at {_env_num('COSTS_SLOW_RATE', 20):g}/s, "
+            f"{_env_num('COSTS_SLOW_HANDLER', 3):g} s a batch, visibility timeout "
+            f"{_env_num('COSTS_SLOW_VT', 4):g} s; {s['batches']:,.0f} batches): heartbeat "
+            f"ChangeMessageVisibilityBatch {requests:.3f} per message, "
+            f"{s['extensions_per_message']:.3f} extensions per message, {per:.1f} entries "
+            f"per request; SQS requests per message {s['sqs_requests_per_message']:.3f}")
     return lines

@@ -31,7 +31,9 @@ at a steady ~10 % of the others, 5,000 messages measure it as well as 20,000 do)
 every SQS request), SOAK (seconds of steady load at SOAK_RATE msg/s, default 500;
 reports RSS at start and end), COSTS_N / COSTS_RATE / COSTS_SECONDS (the counted cost
 figures of the ``costs`` phase, bench/costs.py: a backlog of COSTS_N, default 3,000, and a
-trickle of COSTS_RATE msg/s, default 50, for COSTS_SECONDS, default 30), PROFILE=1 (one more daemon drain under ``py-spy record``,
+trickle of COSTS_RATE msg/s, default 50, for COSTS_SECONDS, default 30; then slow handlers
+under the visibility heartbeat: COSTS_SLOW_RATE / COSTS_SLOW_SECONDS / COSTS_SLOW_HANDLER /
+COSTS_SLOW_VT, COSTS_SLOW_SECONDS=0 skips it), PROFILE=1 (one more daemon drain under ``py-spy record``,
 raw collapsed stacks + a summary), HOT_ENTITIES=K (every message writes one of K entities
 instead of its own: batches with several writes of one entity), PHASES (default ``ceiling,naive,daemon,costs``; also
 ``compare``, ``results``, ``peer``). INGEST_*

@@ -6,7 +6,15 @@ The cap is read from a clock, not counted in ticks: each tick comes late by the
 ChangeMessageVisibility call before it (and the batch starts after the receive), so a
 count of vt/2 per tick falls behind the real time, and SQS rejects a change that asks past
 the cap — it does not trim it — leaving a rejected call every vt/2 until the count caught
-up (hours of them for an odd vt, whose vt // 2 lost half a second per tick)."""
+up (hours of them for an odd vt, whose vt // 2 lost half a second per tick).
+
+Extensions of concurrent batches share ChangeMessageVisibilityBatch calls (ten entries
+each): a batch of fewer than ten unresolved messages wakes up to ``linger`` (a tenth of
+the timeout) before its extension is due and waits, until then at most, for the
+extensions of other batches falling due meanwhile (``ExtensionCoalescer``). No extension
+goes later than it would alone: the linger is taken before the due time, never out of the
+half timeout of cover left then. The calls then come back together, so the batches stay
+due together while they run."""
 
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from service.adapters.coalesce import MAX_ENTRIES, ExtensionCoalescer
 from service.observe import metrics
 from service.runtime.executor import InFlight, PlanExecutor
 from service.settings import MIN_VISIBILITY_TIMEOUT, SQS_MAX_VISIBILITY
@@ -27,6 +36,11 @@ log = structlog.get_logger("sqs_ingest.worker")
 #: (their response, the follow-up receives) and a change reaches SQS after it was asked
 #: (the call's latency, its retries). A minute less of cover at 12 hours changes nothing.
 CAP_MARGIN = 60
+
+#: The heartbeat's default linger, as a fraction of the visibility timeout. A batch that
+#: joins others' call goes up to this early; as the next extension is due half a timeout
+#: after the call, a batch is extended at most vt/2 / (vt/2 - linger) = 1.25 times as often.
+LINGER_FRACTION = 0.1
 
 
 def extension(vt: int, elapsed: float, hidden_until: float) -> int:
@@ -47,15 +61,23 @@ class VisibilityHeartbeat:
         visibility_timeout: int,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        linger: float | None = None,
     ) -> None:
         if visibility_timeout < MIN_VISIBILITY_TIMEOUT:
             # vt / 2 would be a tick under a second (0: a loop of calls that never sleeps).
             raise ValueError(f"visibility timeout {visibility_timeout} < "
                              f"{MIN_VISIBILITY_TIMEOUT}: the heartbeat cannot keep up")
-        self.executor = executor
         self.visibility_timeout = visibility_timeout
         self.clock = clock
         self.sleep = sleep
+        #: Seconds before its due time a small batch's extension waits for others' (0: each
+        #: batch's goes on its own at its due time). At most a quarter timeout: after a
+        #: call, the next wake-up must come at least a quarter timeout later.
+        self.linger = min(visibility_timeout * LINGER_FRACTION if linger is None else linger,
+                          visibility_timeout / 4)
+        # One for all the worker's batches: extensions falling due close together share
+        # calls (each extension gives its own linger).
+        self.extensions = ExtensionCoalescer(executor.change_visibility, clock=clock, sleep=sleep)
 
     def ensure(self, flight: InFlight) -> None:
         """Start the flight's heartbeat unless it runs: a finished half of a bisection
@@ -73,19 +95,24 @@ class VisibilityHeartbeat:
         # of cover is left, not half a timeout after the restart (which could come after it).
         wait = min(vt / 2, max(0.0, flight.hidden_until - (self.clock() - received_at) - vt / 2))
         while True:
-            await self.sleep(wait)
+            # A small batch wakes ``early`` before its extension is due and waits for others'
+            # until then; ten or more go alone, at their due time.
+            early = min(self.linger, wait) if len(flight.unresolved) < MAX_ENTRIES else 0.0
+            await self.sleep(wait - early)
             wait = vt / 2
             if not flight.unresolved:
                 return
             elapsed = self.clock() - received_at
-            seconds = extension(vt, elapsed, flight.hidden_until)
+            # The change may reach SQS up to ``early`` later: it must not ask past the cap then.
+            seconds = extension(vt, elapsed + early, flight.hidden_until)
             if seconds <= 0:
                 log.warning("visibility_cap_reached", message_ids=list(flight.unresolved),
                             hidden_until=round(flight.hidden_until))
                 return
             # From now, the messages stay hidden for another full timeout (or to the cap).
             changes = [(m, seconds) for m in list(flight.unresolved.values())]
-            await self.executor.change_visibility(changes)
+            await self.extensions.submit(changes, early)
+            # Counted from the ask: the messages are hidden at least that long.
             flight.hidden_until = elapsed + seconds
             metrics.visibility_extensions.inc(len(changes))
             log.info("visibility_extended", count=len(changes), seconds=seconds)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from service.adapters.coalesce import DeleteCoalescer
+from service.adapters.coalesce import DeleteCoalescer, ExtensionCoalescer
 from service.core.messages import Received
 from service.errors import AckFailed
 
@@ -42,12 +42,30 @@ async def test_small_batches_within_the_linger_share_one_call() -> None:
     assert d.calls == [["a0", "a1", "b0", "b1", "b2"]]
 
 
-async def test_ten_entries_go_at_once_and_never_more_than_ten_per_call() -> None:
+async def test_ten_entries_go_at_once_ten_a_call_and_the_rest_lingers() -> None:
+    """Twelve entries waiting: a call of ten at once (a caller's entries split between two
+    calls if need be), the last two with what comes within their linger — ceil(N / 10)
+    calls, not one per caller whose entries fit whole (before: 8, then 4)."""
     d = Deletes()
-    c = DeleteCoalescer(d, linger=30)  # a flush that waited for the timer would hang
-    await asyncio.wait_for(asyncio.gather(*(c.delete_batch(msgs(p, 4)) for p in "abc")), 5)
-    assert sorted(len(call) for call in d.calls) == [4, 8]
-    assert all(len(call) <= 10 for call in d.calls)
+    c = DeleteCoalescer(d, linger=30)  # a call that waited for the timer would hang
+    a, b, rest = (asyncio.create_task(c.delete_batch(msgs(p, 4))) for p in "abc")
+    await asyncio.wait_for(asyncio.gather(a, b), 5)
+    assert d.calls == [[*(f"a{i}" for i in range(4)), *(f"b{i}" for i in range(4)), "c0", "c1"]]
+    assert not rest.done()  # two of its entries still linger
+    await asyncio.wait_for(c.drain(), 5)
+    await rest
+    assert d.calls[1:] == [["c2", "c3"]]
+
+
+async def test_a_caller_split_between_two_calls_hears_of_failures_in_both() -> None:
+    d = Deletes(fail={"c0", "c3"})
+    c = DeleteCoalescer(d, linger=30)
+    tasks = [asyncio.create_task(c.delete_batch(msgs(p, 4))) for p in "abc"]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(c.drain(), 5)
+    out = await asyncio.gather(*tasks, return_exceptions=True)
+    assert out[:2] == [None, None]
+    assert isinstance(out[2], AckFailed) and out[2].message_ids == ["c0", "c3"]
 
 
 async def test_a_full_batch_is_deleted_directly() -> None:
@@ -135,3 +153,55 @@ async def test_a_call_torn_down_before_sqs_answered_is_an_ack_failure() -> None:
     with pytest.raises(AckFailed) as failed:
         await asyncio.wait_for(caller, 5)
     assert failed.value.message_ids == ["a0", "a1"]
+
+
+class Changes:
+    """ChangeMessageVisibilityBatch behind the executor: records the calls; ``hold`` keeps
+    a call unanswered until it is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.answered: list[list[str]] = []
+        self.hold: asyncio.Event | None = None
+
+    async def __call__(self, changes: Sequence[tuple[Received, int]]) -> None:
+        ids = [m.message_id for m, _ in changes]
+        self.calls.append(ids)
+        if self.hold is not None:
+            await self.hold.wait()
+        self.answered.append(ids)
+
+
+def changes(prefix: str, n: int) -> list[tuple[Received, int]]:
+    return [(m, 30) for m in msgs(prefix, n)]
+
+
+async def test_an_extension_whose_caller_stopped_while_it_lingers_is_taken_back() -> None:
+    """A batch stops its heartbeat before its acks and releases: an extension of its that
+    still lingers must not go out after them (it would hide a released message again)."""
+    ch = Changes()
+    c = ExtensionCoalescer(ch, linger=30)
+    task = asyncio.create_task(c.submit(changes("a", 2)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(c.submit(changes("b", 1), linger=0.01), 5)
+    await asyncio.wait_for(c.drain(), 5)
+    assert ch.calls == [["b0"]]
+
+
+async def test_an_extension_caller_stopped_while_its_call_is_out_waits_for_the_answer() -> None:
+    ch = Changes()
+    ch.hold = asyncio.Event()
+    c = ExtensionCoalescer(ch, linger=0.01)
+    task = asyncio.create_task(c.submit(changes("a", 2)))
+    while not ch.calls:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0)
+    assert not task.done()  # still waiting for SQS's answer to the call its entries are in
+    ch.hold.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert ch.answered == [["a0", "a1"]]
