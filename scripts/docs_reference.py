@@ -74,6 +74,8 @@ REASON_MEANINGS: dict[str, str] = {
                                   "`INGEST_S3_BUCKETS`; the object is never read",
     "payload_unreadable": "S3 refused the object (403, KMS) for longer than "
                           "`INGEST_S3_UNREADABLE_AFTER`",
+    "payload_too_complex": "the body (or its S3 payload) holds more JSON values than "
+                           "`INGEST_MAX_JSON_VALUES`; it is not parsed",
 }
 
 

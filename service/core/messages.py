@@ -11,7 +11,13 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from service.core import attributes
-from service.core.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS, json_holds_nul
+from service.core.limits import (
+    INDEXED_TEXT_MAX_CHARS,
+    MAX_JSON_VALUES,
+    TYPE_MAX_CHARS,
+    json_holds_nul,
+    json_values,
+)
 from service.core.pointers import Fetched, Pointer
 from service.core.registry import Registry
 from service.envelope import STANDARD_ENVELOPE, Envelope
@@ -80,7 +86,8 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
     """Validate one body — or, for a body that points to S3, the payload ``fetched`` from
     there (a Poison still carries the pointer body). Every way a body can be wrong is a
     Poison with a reason."""
-    read = _document(raw, fetched)
+    limit = registry.max_json_values or MAX_JSON_VALUES
+    read = _document(raw, fetched, limit)
     if isinstance(read, Poison):
         return read
     doc, envelope = read
@@ -111,9 +118,20 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
     return m
 
 
-def _document(raw: Received, fetched: Fetched | None) -> tuple[Any, Any] | Poison:
-    """(the decoded document, its envelope: the pointer's or the SNS notification's)."""
+def _document(raw: Received, fetched: Fetched | None,
+              limit: int) -> tuple[Any, Any] | Poison:
+    """(the decoded document, its envelope: the pointer's or the SNS notification's).
+    A text of more than ``limit`` JSON values is not parsed: its objects would hold
+    dozens of times its size in memory until the batch ends (an SNS notification's
+    ``Message`` is counted within the body)."""
     envelope: Any = None
+    text: str | bytes | bytearray = fetched.data if fetched is not None else raw.body
+    values = json_values(text)
+    if values > limit:
+        where = f"{fetched.pointer.uri}: " if fetched is not None else ""
+        return Poison(raw, "payload_too_complex",
+                      f"{where}{values} JSON values (counted by their {{ [ , characters, "
+                      f"strings included), INGEST_MAX_JSON_VALUES is {limit}")
     if fetched is not None:
         envelope = fetched.pointer.envelope
         try:
