@@ -56,7 +56,9 @@ EXIT_MEANINGS: dict[tuple[str, int], str] = {
 REASON_MEANINGS: dict[str, str] = {
     "invalid_json": "the body is not JSON",
     "invalid_envelope": "JSON, but not an object of the envelope's shape (or a malformed S3 "
-                        "pointer)",
+                        "pointer, or a `request_id`/`type` holding a character SQS and SNS "
+                        "refuse: NUL, another control character but tab/LF/CR, U+FFFE, "
+                        "U+FFFF; no result is written for it)",
     "missing_request_id": "no `request_id`",
     "missing_type": "no `type`",
     "unknown_type": "a `type` no handler is registered for",

@@ -43,6 +43,18 @@ def json_values(text: str | bytes | bytearray) -> int:
     return text.count(b"{") + text.count(b"[") + text.count(b",")
 
 
+#: What SQS and SNS refuse in a message body or attribute: anything outside #x9 | #xA | #xD |
+#: #x20-#xD7FF | #xE000-#xFFFD | #x10000-#x10FFFF (NUL, the other control characters,
+#: U+FFFE, U+FFFF). A result carrying one is refused entry by entry, for ever.
+_UNSENDABLE = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def unsendable(text: str) -> str | None:
+    """The first character of ``text`` SQS and SNS would refuse, if any."""
+    m = _UNSENDABLE.search(text)
+    return m.group() if m is not None else None
+
+
 @overload
 def storable(text: str) -> str: ...
 @overload

@@ -177,6 +177,16 @@ EXACT_POISON = [
      "request_id/type contain a NUL character", None, None),
     (json.dumps(upsert(type="entity.upsert\u0000")), "invalid_envelope",
      "request_id/type contain a NUL character", None, None),
+    # SQS and SNS refuse these in the result's request_id attribute (and its body): no
+    # request_id is kept, so no result is written that could never be published.
+    (json.dumps(upsert(request_id="x\u0001")), "invalid_envelope",
+     "request_id contains U+0001, a character SQS and SNS refuse", None, None),
+    (json.dumps(upsert(request_id="x\uffff", type=7)), "invalid_envelope",
+     "request_id contains U+FFFF, a character SQS and SNS refuse", None, None),
+    (json.dumps(upsert(request_id="x\u001b[31m", payload=[1])), "invalid_envelope",
+     "request_id contains U+001B, a character SQS and SNS refuse", None, None),
+    (json.dumps(upsert(type="nope\ufffe")), "invalid_envelope",
+     "type contains U+FFFE, a character SQS and SNS refuse", None, None),
     (json.dumps(upsert(request_id=LONG_ID)), "request_id_too_long",
      "request_id has 513 characters, at most 512 are accepted", None, None),
     (json.dumps(upsert(type=LONG_TYPE)), "type_too_long",
