@@ -1175,3 +1175,23 @@ async def test_a_batch_whose_payloads_take_rounds_keeps_its_bodies_counted_throu
     assert committed_at_read == [0, 0, 0, 1, 1, 2]  # a commit between rounds
     await rig.stop()
     assert budget.used == 0
+
+
+def test_a_body_of_many_json_values_is_not_parsed_to_look_for_a_pointer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Security review, issue 42: the pointer's class name inside a nested bomb made the
+    pointer check parse the whole body (26 times its size) before parse() could refuse it."""
+    import orjson
+
+    from service.core import pointers
+    from service.core.limits import MAX_JSON_VALUES
+
+    bomb = json.dumps({"request_id": "r", "type": "note", "payload": {
+        "n": 1, "note": pointers.MARK, "junk": [{}] * MAX_JSON_VALUES}})
+    loads: list[int] = []
+    real = orjson.loads
+    monkeypatch.setattr(pointers.orjson, "loads", lambda t: loads.append(len(t)) or real(t))
+    assert find_pointer(bomb) is None
+    assert loads == []
+    assert find_pointer(pointer_body("k1")) == Pointer("payloads", "k1")  # still found
