@@ -54,19 +54,26 @@ def entry(index: int, row: OutboxRow, fifo: bool) -> dict[str, Any]:
     return e
 
 
-#: Entry errors refused again on every try even where SenderFault is not set (LocalStack
-#: answers a body with a character SQS does not take so).
-_REFUSED_CODES = frozenset({"InvalidMessageContents"})
+#: Entry errors about the entry itself (a character SQS/SNS do not take, an attribute or a
+#: body over their limits): refused again on every try. Only these: a SenderFault such as
+#: KMS.AccessDeniedException is the destination's configuration, and its results must wait
+#: for the fix, not be given up. (LocalStack answers a body holding U+FFFF with
+#: InvalidMessageContents and SenderFault=false, an attribute with
+#: InvalidParameterValueException.)
+_REFUSED_CODES = frozenset({
+    "InvalidMessageContents", "InvalidParameterValue", "InvalidParameterValueException",
+    "InvalidParameter", "MessageTooLong", "InvalidAttributeValue", "InvalidAttributeName",
+})
 
 
 def _for_good(failure: dict[str, Any]) -> bool:
-    return bool(failure.get("SenderFault")) or failure.get("Code") in _REFUSED_CODES
+    return failure.get("Code") in _REFUSED_CODES
 
 
 def _accepted(rows: Sequence[OutboxRow], resp: dict[str, Any], what: str) -> Sent:
-    """The ids accepted, and those refused for good: an entry answered SenderFault=true
-    (a character SQS/SNS do not take, an attribute over their limits) is refused on every
-    try, and left pending it would be claimed before every later result for ever."""
+    """The ids accepted, and those refused for good (``_REFUSED_CODES``): such an entry is
+    refused on every try, and left pending it would be claimed before every later result
+    for ever."""
     failed = resp.get("Failed") or []
     transient = [f for f in failed if not _for_good(f)]
     if transient:

@@ -295,3 +295,20 @@ async def test_a_row_refused_for_good_is_settled_and_its_group_goes_on() -> None
     assert (metrics.REGISTRY.get_sample_value("sqs_ingest_results_refused_total")
             or 0.0) - before == 1
     assert await store.outbox_stats() == (0, 0.0)
+
+
+def test_only_an_entry_s_own_fault_is_refused_for_good() -> None:
+    """A character or size SQS/SNS refuse is the entry's for good; an access or key problem
+    (a SenderFault too) is the destination's configuration: those results wait for the fix."""
+    from service.adapters.sinks import _accepted
+
+    rows = [grouped(i, "g") for i in range(4)]
+    resp = {"Successful": [{"Id": "0"}], "Failed": [
+        {"Id": "1", "SenderFault": True, "Code": "InvalidParameterValue",
+         "Message": "Invalid characters found."},
+        {"Id": "2", "SenderFault": True, "Code": "KMS.AccessDeniedException", "Message": "no"},
+        {"Id": "3", "SenderFault": False, "Code": "InvalidMessageContents", "Message": "bad"}]}
+    sent = _accepted(rows, resp, "send_message_batch")
+    assert sent == {0}
+    assert sent.refused == {1: "InvalidParameterValue: Invalid characters found.",
+                            3: "InvalidMessageContents: bad"}
