@@ -471,7 +471,7 @@ class FakeSink:
         self.calls = 0
         self.bodies: list[str] = []
 
-    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str] = ()) -> Sent:
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str] = ()) -> set[int]:
         self.calls += 1
         self.bodies.extend(bodies)
         await asyncio.sleep(0)  # a real send yields: another publisher may run meanwhile

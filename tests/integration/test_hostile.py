@@ -117,7 +117,7 @@ async def test_a_json_bomb_is_dead_lettered_unparsed_beside_healthy_messages(
     messages sent with it complete."""
     from service.core.limits import MAX_JSON_VALUES, json_values
 
-    junk = [{}] * 70_000
+    junk: list[dict[str, int]] = [{}] * 70_000
     bomb = json.dumps({"request_id": "bomb", "type": "entity.upsert",
                        "payload": {"entity_id": "e-bomb", "version": 1, "data": {"junk": junk}}},
                       separators=(",", ":"))
