@@ -56,7 +56,9 @@ EXIT_MEANINGS: dict[tuple[str, int], str] = {
 REASON_MEANINGS: dict[str, str] = {
     "invalid_json": "the body is not JSON",
     "invalid_envelope": "JSON, but not an object of the envelope's shape (or a malformed S3 "
-                        "pointer)",
+                        "pointer, or a `request_id`/`type` holding a character SQS and SNS "
+                        "refuse: NUL, another control character but tab/LF/CR, U+FFFE, "
+                        "U+FFFF; no result is written for it)",
     "missing_request_id": "no `request_id`",
     "missing_type": "no `type`",
     "unknown_type": "a `type` no handler is registered for",
@@ -74,6 +76,8 @@ REASON_MEANINGS: dict[str, str] = {
                                   "`INGEST_S3_BUCKETS`; the object is never read",
     "payload_unreadable": "S3 refused the object (403, KMS) for longer than "
                           "`INGEST_S3_UNREADABLE_AFTER`",
+    "payload_too_complex": "the body (or its S3 payload) holds more JSON values than "
+                           "`INGEST_MAX_JSON_VALUES`; it is not parsed",
 }
 
 

@@ -204,6 +204,7 @@ async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
                                   unreadable_after=settings.s3_unreadable_after)
             default_registry.envelope = Envelope.from_specs(  # an existing producer's layout
                 settings.envelope_request_id, settings.envelope_type, settings.envelope_payload)
+            default_registry.max_json_values = settings.max_json_values
             worker = Worker(settings, queue, store, default_registry, visibility_timeout=vt,
                             publisher=publisher, payloads=payloads,
                             max_message_bytes=int(attrs.get("MaximumMessageSize", 262144)))

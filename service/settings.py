@@ -217,9 +217,16 @@ class Settings(BaseSettings):
         s3_unreadable_after: seconds S3 may refuse a pointer (403, KMS; counted from its
             first refusal, kept in PostgreSQL) before its message is dead-lettered as
             ``payload_unreadable``.
-        max_inflight_bytes: the memory budget: raw bytes of message bodies and S3 payloads
-            held for messages in flight; when full, receiving waits. Must hold one
+        max_inflight_bytes: the memory budget: bytes of message bodies and S3 payloads
+            held for messages in flight (a body also 64 for each JSON value it holds: what
+            parsing it adds); when full, receiving waits. Must hold one
             ``max_payload_bytes`` payload.
+        max_json_values: JSON values a body or an S3 payload may hold, counted before it
+            is parsed (one per ``{``, ``[`` and ``,``, those inside strings included); more
+            is dead-lettered unparsed as ``payload_too_complex``. A parsed value costs
+            tens of bytes of memory (up to about 130 measured), so the default bounds one
+            message's objects to about 3 MiB and eight pollers' receives to the 512 Mi of
+            deploy/k8s; raise it, with the memory, for payloads of many small records.
         s3_expected_owner: account id passed as ``ExpectedBucketOwner`` on every S3 call.
         s3_delete_after_ack: delete an offloaded payload's S3 object once its request is
             committed and acked (default: keep it; expire it with a lifecycle rule).
@@ -286,6 +293,8 @@ class Settings(BaseSettings):
     s3_expected_owner: Annotated[str | None, AfterValidator(_s3_owner)] = None
     s3_unreadable_after: float = Field(3600.0, gt=0, allow_inf_nan=False)
     max_inflight_bytes: int = Field(DEFAULT_MAX_INFLIGHT_BYTES, ge=1024, le=2**40)
+    # service.core.limits.MAX_JSON_VALUES (core sits above settings; a unit test keeps both).
+    max_json_values: int = Field(25_000, ge=100, le=2**31)
     results_topic_arn: Annotated[str | None, AfterValidator(_topic_arn)] = None
     results_queue_url: str | None = None
     results_endpoint_url: EndpointUrl = None

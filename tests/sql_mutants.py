@@ -165,6 +165,11 @@ MUTANTS: list[SqlMutant] = [
     M("outbox_claim_published_too", "outbox_claim", "     WHERE published_at IS NULL\n",
       "     WHERE true\n",
       ('tests/contract/test_store_contract.py::test_publish_marks_only_what_the_destination_accepted[postgres]',)),
+    M("outbox_claim_refused_too", "outbox_claim", "       AND refused_at IS NULL\n", "",
+      ('tests/integration/test_results_refused.py::test_refused_results_do_not_block_the_later_ones[standard]',)),
+    M("outbox_claim_fifo_waits_for_refused", "outbox_claim", " AND o.refused_at IS NULL\n",
+      "\n",
+      ('tests/integration/test_results_refused.py::test_refused_results_do_not_block_the_later_ones[fifo]',)),
     # -- retention ------------------------------------------------------------------------
     M("prune_no_dead_letter_guard", "prune_modifications",
       "AND (d.replayed_at IS NULL\n                               OR", "AND (false\n"

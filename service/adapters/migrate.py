@@ -61,6 +61,8 @@ NO_TRANSACTION = "-- sqs-ingest: no-transaction"
 #: Defaults of INGEST_MIGRATE_LOCK_TIMEOUT and INGEST_MIGRATE_ATTEMPTS.
 LOCK_TIMEOUT = 5.0
 ATTEMPTS = 10
+#: Seconds between two tries of the migration lock while another migrate holds it.
+LOCK_POLL = 0.2
 #: Longest pause between two attempts (they double from lock_timeout up to this).
 MAX_BACKOFF = 30.0
 #: A lock not granted within lock_timeout, or a deadlock PostgreSQL broke by cancelling
@@ -262,7 +264,13 @@ async def migrate(
     applied: list[Migration] = []
     try:
         # Waited for without a timeout: the advisory lock only queues migrate behind migrate.
-        await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+        # Polled, not waited for inside a statement: a waiting statement holds a snapshot,
+        # which the other migrate's CREATE INDEX CONCURRENTLY waits for — a deadlock
+        # PostgreSQL broke by cancelling one of them (measured with migration 011).
+        while True:
+            if await conn.fetchval("SELECT pg_try_advisory_lock($1)", MIGRATION_LOCK_KEY):
+                break
+            await asyncio.sleep(LOCK_POLL)
         try:
             await conn.execute("SELECT set_config('lock_timeout', $1, false)",
                                f"{max(1, round(lock_timeout * 1000))}ms")

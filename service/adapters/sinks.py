@@ -17,7 +17,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service.adapters.useragent import user_agent
-from service.core.seams import OutboxRow, ResultsSink
+from service.core.seams import OutboxRow, ResultsSink, Sent
 from service.errors import TransientError
 from service.observe import metrics
 from service.settings import Settings
@@ -54,14 +54,37 @@ def entry(index: int, row: OutboxRow, fifo: bool) -> dict[str, Any]:
     return e
 
 
-def _accepted(rows: Sequence[OutboxRow], resp: dict[str, Any], what: str) -> set[int]:
+#: Entry errors about the entry itself (a character SQS/SNS do not take, an attribute or a
+#: body over their limits): refused again on every try. Only these: a SenderFault such as
+#: KMS.AccessDeniedException is the destination's configuration, and its results must wait
+#: for the fix, not be given up. (LocalStack answers a body holding U+FFFF with
+#: InvalidMessageContents and SenderFault=false, an attribute with
+#: InvalidParameterValueException.)
+_REFUSED_CODES = frozenset({
+    "InvalidMessageContents", "InvalidParameterValue", "InvalidParameterValueException",
+    "InvalidParameter", "MessageTooLong", "InvalidAttributeValue", "InvalidAttributeName",
+})
+
+
+def _for_good(failure: dict[str, Any]) -> bool:
+    return failure.get("Code") in _REFUSED_CODES
+
+
+def _accepted(rows: Sequence[OutboxRow], resp: dict[str, Any], what: str) -> Sent:
+    """The ids accepted, and those refused for good (``_REFUSED_CODES``): such an entry is
+    refused on every try, and left pending it would be claimed before every later result
+    for ever."""
     failed = resp.get("Failed") or []
-    if failed:
-        metrics.results_publish_failures.inc(len(failed))
+    transient = [f for f in failed if not _for_good(f)]
+    if transient:
+        metrics.results_publish_failures.inc(len(transient))
         log.warning("results_entries_failed", operation=what,
-                    errors=sorted({f"{f.get('Code')}: {f.get('Message', '')}" for f in failed}))
+                    errors=sorted({f"{f.get('Code')}: {f.get('Message', '')}"
+                                   for f in transient}))
     ok = {int(s["Id"]) for s in resp.get("Successful") or []}
-    return {rows[i].id for i in ok}
+    refused = {rows[int(f["Id"])].id: f"{f.get('Code')}: {f.get('Message', '')}"[:1000]
+               for f in failed if _for_good(f)}
+    return Sent({rows[i].id for i in ok}, refused)
 
 
 #: SNS publishes at most 256 KiB a message.
@@ -77,7 +100,7 @@ class SnsSink:
         self.fifo = topic_arn.endswith(".fifo")
         self.max_message_bytes = SNS_MAX_MESSAGE_BYTES
 
-    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> Sent:
         entries = [{**entry(i, r, self.fifo), "Message": b}
                    for i, (r, b) in enumerate(zip(rows, bodies, strict=True))]
         try:
@@ -109,7 +132,7 @@ class SqsSink:
             log.warning("results_queue_size_unknown", error=str(exc),
                         using=self.max_message_bytes)
 
-    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
+    async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> Sent:
         entries = [{**entry(i, r, self.fifo), "MessageBody": b}
                    for i, (r, b) in enumerate(zip(rows, bodies, strict=True))]
         try:

@@ -32,6 +32,7 @@ from service.core.seams import (
     OutboxSeam,
     SendRows,
     StoreSeam,
+    refused_of,
 )
 
 __all__ = [
@@ -147,7 +148,9 @@ class PgOutbox:
     async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
         """Claim → send → mark, one transaction: a crash before the mark leaves the rows
         pending (sent again: at least once, absorbed by a FIFO destination's dedup id); a
-        row another publisher holds is skipped, never sent twice at the same time."""
+        row another publisher holds is skipped, never sent twice at the same time. A row the
+        destination refused for good is marked refused (never claimed again) and counts as
+        settled in the second number returned."""
         async with connection(self.outbox_pool) as conn, conn.transaction():
             rows = [_outbox_row(r) for r in await conn.fetch(Q["outbox_claim"], limit, fifo)]
             if not rows:
@@ -155,7 +158,12 @@ class PgOutbox:
             sent = await send(rows)
             if sent:
                 await conn.execute(Q["outbox_mark_published"], sorted(sent))
-            return len(rows), len(sent)
+            refused = refused_of(sent)
+            if refused:
+                ids = sorted(refused)
+                await conn.execute(Q["outbox_mark_refused"], ids,
+                                   [storable(refused[i]) for i in ids])
+            return len(rows), len(sent) + len(refused)
 
     async def outbox_stats(self) -> tuple[int, float]:
         async with connection(self.outbox_pool) as conn:

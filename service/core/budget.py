@@ -1,5 +1,6 @@
-"""The memory budget (SPEC §6, ``INGEST_MAX_INFLIGHT_BYTES``): raw bytes of message bodies
-and S3 payloads held for messages in flight. Receiving waits while it is full
+"""The memory budget (SPEC §6, ``INGEST_MAX_INFLIGHT_BYTES``): bytes of message bodies
+and S3 payloads held for messages in flight (a body is charged for the objects it parses
+into too: ``service.core.limits.held_bytes``). Receiving waits while it is full
 (back-pressure); nothing is failed for want of room.
 
 Owners (a poll, a batch) take bytes and give them back. A request that does not fit waits,

@@ -22,7 +22,7 @@ DeadLetterReason = Literal[
     "invalid_payload", "request_id_too_long", "type_too_long", "idempotency_key_reused",
     "max_receives_exceeded", "rejected_by_database", "processing_error",
     "payload_object_missing", "payload_too_large", "payload_bucket_not_allowed",
-    "payload_unreadable",
+    "payload_unreadable", "payload_too_complex",
 ]
 DEAD_LETTER_REASONS: tuple[DeadLetterReason, ...] = get_args(DeadLetterReason)
 

@@ -11,7 +11,14 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from service.core import attributes
-from service.core.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS, json_holds_nul
+from service.core.limits import (
+    INDEXED_TEXT_MAX_CHARS,
+    MAX_JSON_VALUES,
+    TYPE_MAX_CHARS,
+    json_holds_nul,
+    json_values,
+    unsendable,
+)
 from service.core.pointers import Fetched, Pointer
 from service.core.registry import Registry
 from service.envelope import STANDARD_ENVELOPE, Envelope
@@ -80,7 +87,8 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
     """Validate one body — or, for a body that points to S3, the payload ``fetched`` from
     there (a Poison still carries the pointer body). Every way a body can be wrong is a
     Poison with a reason."""
-    read = _document(raw, fetched)
+    limit = registry.max_json_values or MAX_JSON_VALUES
+    read = _document(raw, fetched, limit)
     if isinstance(read, Poison):
         return read
     doc, envelope = read
@@ -111,9 +119,20 @@ def parse(raw: Received, registry: Registry, fetched: Fetched | None = None) -> 
     return m
 
 
-def _document(raw: Received, fetched: Fetched | None) -> tuple[Any, Any] | Poison:
-    """(the decoded document, its envelope: the pointer's or the SNS notification's)."""
+def _document(raw: Received, fetched: Fetched | None,
+              limit: int) -> tuple[Any, Any] | Poison:
+    """(the decoded document, its envelope: the pointer's or the SNS notification's).
+    A text of more than ``limit`` JSON values is not parsed: its objects would hold
+    dozens of times its size in memory until the batch ends (an SNS notification's
+    ``Message`` is counted within the body)."""
     envelope: Any = None
+    text: str | bytes | bytearray = fetched.data if fetched is not None else raw.body
+    values = json_values(text)
+    if values > limit:
+        where = f"{fetched.pointer.uri}: " if fetched is not None else ""
+        return Poison(raw, "payload_too_complex",
+                      f"{where}{values} JSON values (counted by their {{ [ , characters, "
+                      f"strings included), INGEST_MAX_JSON_VALUES is {limit}")
     if fetched is not None:
         envelope = fetched.pointer.envelope
         try:
@@ -162,8 +181,15 @@ def _fields(
     request_id, mtype, payload = doc.get("request_id"), doc.get("type"), doc.get("payload")
     if not isinstance(request_id, str) or not request_id:
         return Poison(raw, "missing_request_id", "request_id must be a non-empty string")
+    # Checked before any poison that keeps the request_id: it would be the request_id
+    # attribute (and the body) of a result SQS and SNS refuse, and PostgreSQL text cannot
+    # hold NUL. Such a poison keeps no request_id, so no result is written for it.
+    if (bad := _unsendable(request_id, "request_id")) is not None:
+        return Poison(raw, "invalid_envelope", bad)
     if not isinstance(mtype, str) or not mtype:
         return Poison(raw, "missing_type", "type must be a non-empty string", request_id)
+    if (bad := _unsendable(mtype, "type")) is not None:
+        return Poison(raw, "invalid_envelope", bad)
     if not isinstance(payload, dict):
         return Poison(raw, "invalid_payload", "payload must be a JSON object", request_id, mtype)
     sent_at: datetime | None = None
@@ -172,8 +198,6 @@ def _fields(
             sent_at = _rfc3339(str(doc["sent_at"]))
         except ValueError as exc:
             return Poison(raw, "invalid_envelope", f"sent_at: {exc}", request_id, mtype)
-    if "\x00" in request_id or "\x00" in mtype:
-        return Poison(raw, "invalid_envelope", "request_id/type contain a NUL character")
     if len(request_id) > INDEXED_TEXT_MAX_CHARS:
         # A unique-index entry that large fails the whole batch's claim statement.
         return Poison(raw, "request_id_too_long",
@@ -184,6 +208,15 @@ def _fields(
                       f"type has {len(mtype)} characters, at most {TYPE_MAX_CHARS} are accepted",
                       request_id)
     return request_id, mtype, payload, sent_at
+
+
+def _unsendable(text: str, name: str) -> str | None:
+    bad = unsendable(text)
+    if bad is None:
+        return None
+    if bad == "\x00":
+        return "request_id/type contain a NUL character"
+    return f"{name} contains U+{ord(bad):04X}, a character SQS and SNS refuse"
 
 
 def _rfc3339(text: str) -> datetime:

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from service.core.limits import MAX_JSON_VALUES, json_values
 from service.s3access import BUCKET_NAME as _BUCKET
 
 #: Pointer classes the extended clients write (current first).
@@ -102,6 +103,10 @@ def find_pointer(body: str) -> Pointer | Refused | None:
     """The pointer in a raw body or in the ``Message`` of an SNS envelope; a Refused for a
     pointer that is malformed; None for anything else (parsed as usual)."""
     if MARK not in body:
+        return None
+    if json_values(body) > MAX_JSON_VALUES:
+        # No pointer holds that many values (an SNS envelope has at most ten attributes);
+        # parse() dead-letters such a body unparsed (payload_too_complex).
         return None
     try:
         doc = orjson.loads(body)

@@ -52,6 +52,8 @@ class Registry:
         #: How bodies map to request_id, type and payload (``service.core.messages.Envelope``;
         #: None: the standard envelope). Set from the settings by ``sqs-ingest run``.
         self.envelope: object | None = None
+        #: INGEST_MAX_JSON_VALUES (None: ``service.core.limits.MAX_JSON_VALUES``).
+        self.max_json_values: int | None = None
 
     def register(self, type_: str, model: type[BaseModel], fn: HandlerFn) -> None:
         existing = self._specs.get(type_)

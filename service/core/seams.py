@@ -6,7 +6,7 @@ real ones;
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -103,6 +103,23 @@ class OutboxRow:
     group_id: str | None
 
 
+class Sent(set[int]):
+    """What a send returns: the ids the destination accepted (the set itself) and, in
+    ``refused``, the ids it refused for good — an entry SQS/SNS answered with
+    SenderFault=true is refused again on every try — with what it said. A plain set is a
+    send that refused nothing for good."""
+
+    def __init__(self, accepted: Iterable[int] = (),
+                 refused: Mapping[int, str] | None = None) -> None:
+        super().__init__(accepted)
+        self.refused: dict[int, str] = dict(refused or {})
+
+
+def refused_of(sent: set[int]) -> dict[int, str]:
+    """The ids ``sent`` says were refused for good (none for a plain set)."""
+    return sent.refused if isinstance(sent, Sent) else {}
+
+
 class ResultsSink(Protocol):
     """A destination: sends up to ten rows (``bodies[i]`` is the message of ``rows[i]``),
     returns the ids of those accepted."""
@@ -112,12 +129,13 @@ class ResultsSink(Protocol):
 
     async def send(self, rows: Sequence[OutboxRow], bodies: Sequence[str]) -> set[int]:
         """Send ``rows`` (at most ten, within the call's byte limit) in one call; the ids
-        the destination accepted. Raises ``TransientError`` when it refused the whole
-        call."""
+        the destination accepted (a ``Sent``: also those it refused for good). Raises
+        ``TransientError`` when it refused the whole call."""
 
 
 #: Sends claimed rows to the destination; returns the ids it accepted (the others stay
-#: pending). Raises ``TransientError`` when the destination refused the whole call.
+#: pending, but for those a ``Sent`` says were refused for good: marked refused). Raises
+#: ``TransientError`` when the destination refused the whole call.
 SendRows = Callable[[list[OutboxRow]], Awaitable[set[int]]]
 
 
@@ -244,8 +262,8 @@ class OutboxSeam(Protocol):
 
     async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
         """Claim up to ``limit`` unpublished rows (skipping those another publisher holds),
-        ``send`` them, mark the accepted ones published, in one transaction. Returns
-        (claimed, published)."""
+        ``send`` them, mark the accepted ones published and those refused for good
+        refused, in one transaction. Returns (claimed, published + refused)."""
 
     async def outbox_stats(self) -> tuple[int, float]:
         """(pending rows, age in seconds of the oldest pending row)."""

@@ -101,6 +101,11 @@ results_published = Counter(
     P + "results_published", "Result messages accepted by the results destination",
     ["status"], registry=REGISTRY,
 )
+results_refused = Counter(
+    P + "results_refused",
+    "Result messages the destination refused for good (SenderFault: marked refused in "
+    "outbox, never sent again)", registry=REGISTRY,
+)
 results_publish_failures = Counter(
     P + "results_publish_failures",
     "Results calls or entries the destination refused (the rows stay pending)",

@@ -19,8 +19,10 @@ from service.core.limits import INDEXED_TEXT_MAX_CHARS, TYPE_MAX_CHARS
 from service.core.registry import Registry
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
-#: parse() refuses a request_id or type containing U+0000 (PostgreSQL text cannot hold it).
-_NO_NUL = "^[^\x00]*$"
+#: parse() refuses a request_id or type holding a character SQS and SNS refuse (NUL, the
+#: other control characters but tab, LF and CR, U+FFFE, U+FFFF): its result could never be
+#: published (``service.core.limits.unsendable``).
+_NO_NUL = "^[^\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]*$"
 
 
 def envelope_schema(types: list[str]) -> dict[str, Any]:

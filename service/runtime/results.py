@@ -23,9 +23,10 @@ import structlog
 
 from service.adapters.sqs import SEND_BATCH_MAX_BYTES, batched_by_size
 from service.core.retry import Backoff, sleep_or_stop
-from service.core.seams import OutboxRow, OutboxSeam, ResultsSink
+from service.core.seams import OutboxRow, OutboxSeam, ResultsSink, Sent, refused_of
 from service.errors import DB_ERRORS, TransientError
 from service.observe import metrics
+from service.secrets import safe
 
 log = structlog.get_logger("sqs_ingest.results")
 
@@ -148,17 +149,26 @@ class Publisher:
         else:
             outcomes = await asyncio.gather(*(self.sink.send(r, b) for r, b in chunks),
                                             return_exceptions=True)
-        sent: set[int] = set()
+        sent = Sent()
         for out in outcomes:
             if isinstance(out, TransientError):
                 continue
             if isinstance(out, BaseException):
                 raise out
             sent |= out
-        if not sent and outcomes and isinstance(outcomes[0], TransientError):
+            sent.refused.update(refused_of(out))
+        if not sent and not sent.refused and outcomes and isinstance(outcomes[0],
+                                                                     TransientError):
             raise outcomes[0]  # nothing went out: the destination is down
         for status, n in collections.Counter(r.status for r in rows if r.id in sent).items():
             metrics.results_published.labels(status).inc(n)
+        for r in rows:
+            if r.id in sent.refused:
+                # Marked refused in the same transaction: never claimed again, so the
+                # results behind it (and the rest of its FIFO group) go on.
+                metrics.results_refused.inc()
+                log.error("result_refused", outbox_id=r.id, request_id=safe(r.request_id),
+                          status=r.status, error=safe(sent.refused[r.id]))
         return sent
 
     async def publish_once(self) -> tuple[int, int]:

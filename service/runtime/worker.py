@@ -17,6 +17,7 @@ import structlog
 from service.adapters.payloads import S3Payloads
 from service.core.budget import MemoryBudget
 from service.core.labels import INVALID_TYPE_LABEL
+from service.core.limits import held_bytes
 from service.core.messages import Received
 from service.core.retry import Backoff, ReceiveLimit, RetryPolicy, sleep_or_stop, wait_any
 from service.core.seams import QueueSeam, StoreSeam
@@ -345,8 +346,9 @@ class ReceivePacer:
 
 
 def keep_bytes(budget: MemoryBudget, batch: list[Received], poll: object, owner: object) -> None:
-    """The batch keeps the bytes its bodies take; the rest of the poll's room goes back."""
-    size, room = sum(len(m.body) for m in batch), budget.holds(poll)
+    """The batch keeps the bytes its bodies take — parsed as well as raw
+    (``service.core.limits.held_bytes``); the rest of the poll's room goes back."""
+    size, room = sum(held_bytes(m.body) for m in batch), budget.holds(poll)
     budget.move(size, poll, owner)
     budget.give_all(poll)
     budget.charge(size - room, owner)

@@ -33,7 +33,9 @@ from service.core.seams import (
     QueueSeam,
     ResultsSink,
     SendRows,
+    Sent,
     StoreSeam,
+    refused_of,
 )
 from service.errors import AckFailed, DatabaseUnavailable, SchemaBehind, TransientError
 
@@ -200,6 +202,7 @@ class FakeOutboxRow:
     row: OutboxRow
     published_at: float | None = None
     locked: bool = False  # claimed by a publisher whose send is in flight
+    refused_reason: str | None = None  # refused for good by the destination (SenderFault)
 
 
 @dataclass
@@ -245,7 +248,8 @@ class FakeOutbox:
 
     async def publish_outbox(self, send: SendRows, limit: int, fifo: bool) -> tuple[int, int]:
         self._check()
-        pending = [r for r in self.db.outbox if r.published_at is None]
+        pending = [r for r in self.db.outbox
+                   if r.published_at is None and r.refused_reason is None]
         taken = [r for r in pending if not r.locked][:limit]
         if fifo:  # a group waits behind an older pending row another publisher holds
             held_groups = {r.row.group_id for r in pending
@@ -258,17 +262,20 @@ class FakeOutbox:
         try:
             sent = await send([r.row for r in taken])
             self._check()  # the mark is a statement too
+            refused = refused_of(sent)
             for r in taken:
                 if r.row.id in sent:
                     r.published_at = time.time()
+                r.refused_reason = refused.get(r.row.id, r.refused_reason)
         finally:
             for r in taken:
                 r.locked = False
-        return len(taken), len(sent)
+        return len(taken), len(sent) + len(refused)
 
     async def outbox_stats(self) -> tuple[int, float]:
         self._check()
-        pending = [r.row.completed_at for r in self.db.outbox if r.published_at is None]
+        pending = [r.row.completed_at for r in self.db.outbox
+                   if r.published_at is None and r.refused_reason is None]
         age = (datetime.now(UTC) - min(pending)).total_seconds() if pending else 0.0
         return len(pending), age
 
@@ -459,6 +466,8 @@ class FakeSink:
         self.sent: list[OutboxRow] = []
         self.refuse = False
         self.refuse_ids: set[int] = set()
+        #: Refused for good (SenderFault): row id → what the destination says.
+        self.refuse_for_good: dict[int, str] = {}
         self.calls = 0
         self.bodies: list[str] = []
 
@@ -468,9 +477,10 @@ class FakeSink:
         await asyncio.sleep(0)  # a real send yields: another publisher may run meanwhile
         if self.refuse:
             raise TransientError("fake destination refuses")
-        ok = [r for r in rows if r.id not in self.refuse_ids]
+        ok = [r for r in rows if r.id not in self.refuse_ids and r.id not in self.refuse_for_good]
         self.sent.extend(ok)
-        return {r.id for r in ok}
+        return Sent({r.id for r in ok}, {r.id: self.refuse_for_good[r.id] for r in rows
+                                          if r.id in self.refuse_for_good})
 
 
 def _group_held(db: FakeDatabase, m: Message, taken: set[str]) -> bool:

@@ -127,7 +127,7 @@ async def test_migrate_records_each_file_and_the_tables_it_created(
     assert done.returncode == 0, done.stderr
     # After the core's, in order.
     assert done.stdout.strip().endswith(
-        "009_checkpoint_applied, acme-orders/001_orders, acme-orders/002_refunds")
+        "011_outbox_refused_idx, acme-orders/001_orders, acme-orders/002_refunds")
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch("SELECT distribution, version, name, created_tables"
@@ -137,7 +137,7 @@ async def test_migrate_records_each_file_and_the_tables_it_created(
             ("acme-orders", 2, "refunds", ["public.acme_refunds"]),
         ]
         # The core's own record is untouched by the package's files.
-        assert await conn.fetchval("SELECT max(version) FROM ingest_schema_migrations") == 9
+        assert await conn.fetchval("SELECT max(version) FROM ingest_schema_migrations") == 11
     finally:
         await conn.close()
     printed = await asyncio.to_thread(sqs_ingest, site, dsn, "grants", "--role", "someone")
@@ -153,7 +153,7 @@ async def test_two_concurrent_migrations_apply_each_handler_file_once(
     dsn = await empty_db(pg_server)
     a, b = await asyncio.gather(migrate(dsn), migrate(dsn))
     labels = sorted(m.label for m in a + b)
-    assert labels.count("acme-orders/001_orders") == 1 and len(labels) == 10
+    assert labels.count("acme-orders/001_orders") == 1 and len(labels) == 12
     conn = await asyncpg.connect(dsn)
     try:
         assert await conn.fetchval("SELECT count(*) FROM ingest_handler_migrations") == 1

@@ -104,3 +104,35 @@ async def test_one_hostile_request_id_costs_no_neighbour(
     # nothing retried or handed back. (SQS, and moto, may deliver a message twice at once:
     # such a copy is deferred as contention and acked as a duplicate, never retried.)
     assert (delta["completed"], delta["dead_lettered"], delta["retried"]) == (120, 1, 0), delta
+
+
+async def test_a_json_bomb_is_dead_lettered_unparsed_beside_healthy_messages(
+    sqs_client: Any, queue_url: str, sqs_endpoint: str, database_url: str,
+    db: asyncpg.Connection,
+) -> None:
+    """Security review, issue 42: 210 kB of ``[{},{},…]`` is 5 MiB of Python objects once
+    parsed (26 times its size), held until its batch ends — ten receives of such bodies and
+    the daemon was over its memory limit. With the default INGEST_MAX_JSON_VALUES it is a
+    poison message (payload_too_complex), its body byte for byte, while the healthy
+    messages sent with it complete."""
+    from service.core.limits import MAX_JSON_VALUES, json_values
+
+    junk: list[dict[str, int]] = [{}] * 70_000
+    bomb = json.dumps({"request_id": "bomb", "type": "entity.upsert",
+                       "payload": {"entity_id": "e-bomb", "version": 1, "data": {"junk": junk}}},
+                      separators=(",", ":"))
+    assert MAX_JSON_VALUES < json_values(bomb) and len(bomb) < 256 * 1024
+    healthy = [upsert(f"r{i}", f"e{i}") for i in range(9)]
+    sqs_client.send_message_batch(QueueUrl=queue_url, Entries=[
+        {"Id": str(i), "MessageBody": b} for i, b in enumerate([*healthy[:4], bomb, *healthy[4:]])])
+    async with running_worker(make_settings(queue_url, database_url, sqs_endpoint)):
+        async def settled() -> bool:
+            done = await db.fetchval(
+                "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'")
+            letters = await db.fetchval("SELECT count(*) FROM dead_letters")
+            return bool(done == 9 and letters == 1)
+        await eventually(settled, "9 completed and one dead letter")
+    letter = await db.fetchrow("SELECT body, reason, error FROM dead_letters")
+    assert (letter["body"], letter["reason"]) == (bomb, "payload_too_complex")
+    assert f"INGEST_MAX_JSON_VALUES is {MAX_JSON_VALUES}" in letter["error"]
+    assert await db.fetchval("SELECT count(*) FROM modifications WHERE request_id = 'bomb'") == 0

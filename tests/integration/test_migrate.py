@@ -27,7 +27,8 @@ from tests.servers import Postgres
 #: picked up by the loader must change this list (not be taken from the loader itself).
 EXPECTED = [(1, "core"), (2, "outbox"), (3, "attributes"), (4, "retention"),
             (5, "fifo_order"), (6, "payload_refusals"), (7, "dead_letter_group"), (8, "claim_token"),
-            (9, "checkpoint_applied")]
+            (9, "checkpoint_applied"), (10, "outbox_refused"),
+            (11, "outbox_refused_idx")]
 
 
 async def empty_db(pg: Postgres) -> str:

@@ -224,3 +224,25 @@ async def test_a_receive_beyond_its_room_is_charged_to_its_batch() -> None:
         w.request_stop()
         assert await asyncio.wait_for(task, 20) == 0
     assert w.budget.used == 0
+
+
+async def test_a_body_is_charged_for_the_json_values_it_will_be_parsed_into() -> None:
+    """Security review, issue 42: parsed, [{},{},…] is 26 times its size, held until the
+    batch ends; counting raw bytes only, 80 bodies of 149 kB just under
+    INGEST_MAX_JSON_VALUES were admitted at once (391 MiB peak). A body is charged its
+    characters plus PARSED_BYTES_PER_VALUE for each value it holds."""
+    from service.core.budget import MemoryBudget
+    from service.core.limits import PARSED_BYTES_PER_VALUE, json_values
+    from service.core.messages import Received
+    from service.runtime.worker import keep_bytes
+
+    bomb = '{"request_id":"r","type":"t","payload":{"junk":[' + ",".join(["{}"] * 1000) + "]}}"
+    plain = "x" * 100
+    budget = MemoryBudget(10**6)
+    poll, batch = object(), object()
+    assert budget.try_take(1000, poll)
+    keep_bytes(budget, [Received("m1", "h1", bomb), Received("m2", "h2", plain)], poll, batch)
+    assert json_values(bomb) == 2004  # 2 objects, 1 list, 1,000 {} and 1,001 commas
+    assert budget.holds(batch) == budget.used == \
+        len(bomb) + 2004 * PARSED_BYTES_PER_VALUE + len(plain)
+    assert budget.holds(poll) == 0

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -177,6 +178,16 @@ EXACT_POISON = [
      "request_id/type contain a NUL character", None, None),
     (json.dumps(upsert(type="entity.upsert\u0000")), "invalid_envelope",
      "request_id/type contain a NUL character", None, None),
+    # SQS and SNS refuse these in the result's request_id attribute (and its body): no
+    # request_id is kept, so no result is written that could never be published.
+    (json.dumps(upsert(request_id="x\u0001")), "invalid_envelope",
+     "request_id contains U+0001, a character SQS and SNS refuse", None, None),
+    (json.dumps(upsert(request_id="x\uffff", type=7)), "invalid_envelope",
+     "request_id contains U+FFFF, a character SQS and SNS refuse", None, None),
+    (json.dumps(upsert(request_id="x\u001b[31m", payload=[1])), "invalid_envelope",
+     "request_id contains U+001B, a character SQS and SNS refuse", None, None),
+    (json.dumps(upsert(type="nope\ufffe")), "invalid_envelope",
+     "type contains U+FFFE, a character SQS and SNS refuse", None, None),
     (json.dumps(upsert(request_id=LONG_ID)), "request_id_too_long",
      "request_id has 513 characters, at most 512 are accepted", None, None),
     (json.dumps(upsert(type=LONG_TYPE)), "type_too_long",
@@ -288,3 +299,56 @@ def test_a_fetched_payload_is_parsed_instead_of_the_pointer_body(registry: Regis
     assert isinstance(bad, Poison)
     assert (bad.reason, bad.error, bad.request_id, bad.raw.body) == (
         "invalid_json", "s3://bucket/key: " + decode_error("{not json"), None, pointer_body)
+
+
+def test_a_body_of_more_json_values_than_the_limit_is_not_parsed(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A nested bomb ({"junk": [{}, {}, …]}) is 26 times its size once parsed: above
+    INGEST_MAX_JSON_VALUES it is poison before orjson ever reads it; at the limit it is
+    parsed as usual. The same bound holds for an S3 payload and an SNS notification."""
+    import orjson
+
+    from service.core.limits import MAX_JSON_VALUES, json_values
+    from service.core.pointers import Fetched, Pointer
+    from service.settings import Settings
+
+    assert Settings.model_fields["max_json_values"].default == MAX_JSON_VALUES
+    # Commas inside strings count too: an overcount only refuses sooner.
+    assert json_values('{"a": [1, {}], "b": "x,y"}') == json_values(b'{"a":[1,{}],"b":"x,y"}') == 6
+    registry.max_json_values = 1000
+    real_loads = orjson.loads
+    loads: list[int] = []
+
+    def spy(text: str | bytes) -> Any:
+        loads.append(len(text))
+        return real_loads(text)
+
+    monkeypatch.setattr(orjson, "loads", spy)  # the module messages parses with
+
+    def bomb(n: int) -> str:
+        return json.dumps(upsert(payload={"entity_id": "e1", "version": 1,
+                                          "data": {"junk": [{}] * n}}))
+
+    body = bomb(1000)
+    assert json_values(body) > 1000
+    p = parse(raw(body), registry)
+    assert isinstance(p, Poison) and p.raw.body == body
+    assert (p.reason, p.request_id) == ("payload_too_complex", None)
+    assert p.error == (f"{json_values(body)} JSON values (counted by their {{ [ , characters, "
+                       "strings included), INGEST_MAX_JSON_VALUES is 1000")
+    assert loads == []  # never parsed
+
+    registry.max_json_values = json_values(body)  # at the limit: parsed as usual
+    assert isinstance(parse(raw(body), registry), Message)
+    registry.max_json_values = 1000
+
+    sns = json.dumps({"Type": "Notification", "Message": body})
+    assert parse(raw(sns), registry).reason == "payload_too_complex"  # type: ignore[union-attr]
+
+    pointer_body = '["software.amazon.payloadoffloading.PayloadS3Pointer", {}]'
+    loads.clear()
+    s3 = parse(raw(pointer_body), registry, Fetched(Pointer("bucket", "key"), body.encode()))
+    assert isinstance(s3, Poison) and s3.raw.body == pointer_body
+    assert s3.reason == "payload_too_complex" and s3.error.startswith("s3://bucket/key: ")
+    assert loads == []

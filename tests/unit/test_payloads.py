@@ -1168,7 +1168,35 @@ async def test_a_batch_whose_payloads_take_rounds_keeps_its_bodies_counted_throu
     # Each round opens every pointer left (3, 2, 1), reads what fits: at each open the
     # budget holds the bodies and nothing else (the previous round's payload went back; a
     # poll waiting for its room got none).
-    assert used_at_read == [sum(len(b) for b in bodies)] * 6
+    # (A body is charged for its JSON values too: service.core.limits.held_bytes.)
+    from service.core.limits import held_bytes
+
+    assert used_at_read == [sum(held_bytes(b) for b in bodies)] * 6
     assert committed_at_read == [0, 0, 0, 1, 1, 2]  # a commit between rounds
     await rig.stop()
     assert budget.used == 0
+
+
+def test_a_body_of_many_json_values_is_not_parsed_to_look_for_a_pointer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Security review, issue 42: the pointer's class name inside a nested bomb made the
+    pointer check parse the whole body (26 times its size) before parse() could refuse it."""
+    import orjson
+
+    from service.core import pointers
+    from service.core.limits import MAX_JSON_VALUES
+
+    bomb = json.dumps({"request_id": "r", "type": "note", "payload": {
+        "n": 1, "note": pointers.MARK, "junk": [{}] * MAX_JSON_VALUES}})
+    loads: list[int] = []
+    real = orjson.loads
+
+    def spy(text: str | bytes) -> Any:
+        loads.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(orjson, "loads", spy)  # the module pointers parses with
+    assert find_pointer(bomb) is None
+    assert loads == []
+    assert find_pointer(pointer_body("k1")) == Pointer("payloads", "k1")  # still found

@@ -276,3 +276,39 @@ async def test_fifo_results_of_valid_poison_valid_leave_in_that_order() -> None:
 async def test_fifo_a_poison_followers_result_leaves_after_its_failed_heads() -> None:
     assert await fifo_results([body("head"), POISON], fail_once="head") == [
         ("head", "COMPLETED"), ("poison", "FAILED")]
+
+
+async def test_a_row_refused_for_good_is_settled_and_its_group_goes_on() -> None:
+    """An entry refused for good (SenderFault) is marked refused, never claimed again: the
+    next round publishes the rest of its FIFO group; counted, not pending."""
+    store, sink = FakeStore(results=True), FakeSink(fifo=True)
+    for i, group in enumerate(["g", "g", "h", "g"]):
+        store._result(f"r{i}", "note", "COMPLETED", {"n": i}, None, group)
+    sink.refuse_for_good = {2: "InvalidParameterValue: Invalid characters found"}  # r1
+    pub = Publisher(store, _sink(sink))
+    before = metrics.REGISTRY.get_sample_value("sqs_ingest_results_refused_total") or 0.0
+    assert await pub.publish_once() == (4, 4)  # r1 refused, the others sent
+    store._result("r4", "note", "COMPLETED", {"n": 4}, None, "g")
+    assert await pub.publish_once() == (1, 1)  # r1 is not claimed again, nor waited for
+    assert await pub.publish_once() == (0, 0)
+    assert [r.request_id for r in sink.sent] == ["r0", "r2", "r3", "r4"]
+    assert (metrics.REGISTRY.get_sample_value("sqs_ingest_results_refused_total")
+            or 0.0) - before == 1
+    assert await store.outbox_stats() == (0, 0.0)
+
+
+def test_only_an_entry_s_own_fault_is_refused_for_good() -> None:
+    """A character or size SQS/SNS refuse is the entry's for good; an access or key problem
+    (a SenderFault too) is the destination's configuration: those results wait for the fix."""
+    from service.adapters.sinks import _accepted
+
+    rows = [grouped(i, "g") for i in range(4)]
+    resp = {"Successful": [{"Id": "0"}], "Failed": [
+        {"Id": "1", "SenderFault": True, "Code": "InvalidParameterValue",
+         "Message": "Invalid characters found."},
+        {"Id": "2", "SenderFault": True, "Code": "KMS.AccessDeniedException", "Message": "no"},
+        {"Id": "3", "SenderFault": False, "Code": "InvalidMessageContents", "Message": "bad"}]}
+    sent = _accepted(rows, resp, "send_message_batch")
+    assert sent == {0}
+    assert sent.refused == {1: "InvalidParameterValue: Invalid characters found.",
+                            3: "InvalidMessageContents: bad"}

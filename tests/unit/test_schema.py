@@ -113,6 +113,12 @@ BODIES = [
     '"payload": {"entity_id": "x", "version": 1}}',
     '{"request_id": "a\\u0000", "type": "entity.delete", '
     '"payload": {"entity_id": "x", "version": 1}}',
+    '{"request_id": "a\\u0001", "type": "entity.delete", '
+    '"payload": {"entity_id": "x", "version": 1}}',
+    '{"request_id": "a\\uffff", "type": "entity.delete", '
+    '"payload": {"entity_id": "x", "version": 1}}',
+    '{"request_id": "a\\t\\ud83d\\ude00\\ufffd", "type": "entity.delete", '
+    '"payload": {"entity_id": "x", "version": 1}}',
     '{"request_id": "a", "type": "entity.delete", "payload": {"entity_id": "x", "version": 1},'
     ' "sent_at": null}',
     '{"request_id": "a", "type": "", "payload": {}}',

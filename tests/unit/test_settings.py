@@ -46,6 +46,8 @@ def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({**BASE, "INGEST_MAX_RECEIVE_COUNT": "0"}, "INGEST_MAX_RECEIVE_COUNT"),
         ({**BASE, "INGEST_SQS_ENDPOINT_URL": "localhost:4566"}, "INGEST_SQS_ENDPOINT_URL"),
         ({**BASE, "INGEST_HANDLERS": "no_such_module_xyz"}, "INGEST_HANDLERS"),
+        ({**BASE, "INGEST_MAX_JSON_VALUES": "10"}, "INGEST_MAX_JSON_VALUES"),
+        ({**BASE, "INGEST_MAX_JSON_VALUES": "lots"}, "INGEST_MAX_JSON_VALUES"),
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_the_variable(

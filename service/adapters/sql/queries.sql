@@ -217,10 +217,12 @@ SELECT ins.request_id, ins.request_type, 'FAILED', ins.reason, ins.received_at, 
 -- (sent, then marked): SKIP LOCKED lets replicas share the work and never send a row that
 -- another one holds. On a FIFO destination ($2) a row waits while an older row of its group
 -- is pending outside this claim (held by another publisher): a group leaves in commit order.
+-- A row the destination refused for good (refused_at) is done: never claimed, never waited for.
 WITH c AS (
     SELECT id, request_id, request_type, status, result, reason, completed_at, group_id
       FROM outbox
      WHERE published_at IS NULL
+       AND refused_at IS NULL
      ORDER BY id
      LIMIT $1
        FOR UPDATE SKIP LOCKED
@@ -228,28 +230,41 @@ WITH c AS (
 SELECT * FROM c
  WHERE NOT $2::boolean OR c.group_id IS NULL OR NOT EXISTS (
        SELECT 1 FROM outbox o
-        WHERE o.published_at IS NULL AND o.group_id = c.group_id AND o.id < c.id
+        WHERE o.published_at IS NULL AND o.refused_at IS NULL
+          AND o.group_id = c.group_id AND o.id < c.id
           AND o.id NOT IN (SELECT id FROM c))
  ORDER BY id
 
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])
 
+-- name: outbox_mark_refused
+-- Entries the destination refused for good (SenderFault): $1 ids, $2 what it said of each.
+UPDATE outbox o SET refused_at = now(), refused_reason = r.reason
+  FROM unnest($1::bigint[], $2::text[]) AS r(id, reason)
+ WHERE o.id = r.id
+
 -- name: outbox_stats
 SELECT count(*) AS pending,
        coalesce(extract(epoch FROM now() - min(completed_at)), 0)::float8 AS oldest_age
-  FROM outbox WHERE published_at IS NULL
+  FROM outbox WHERE published_at IS NULL AND refused_at IS NULL
 
 -- name: outbox_prune
 -- Published rows past their retention, in short batches (never an unpublished row); one of
 -- service/adapters/prune.py's steps (INGEST_RESULTS_RETENTION_DAYS).
 -- `= ANY(ARRAY(...))`, not `IN (...)`: as a semi-join the planner scans the whole table per
 -- batch (1 M rows: 232-246 ms a batch of 5,000 against 18-61 ms; bench/prune_batch_plans.py).
+-- Refused rows (refused_at: the destination will never take them) are done too, by
+-- migration 011's index.
 DELETE FROM outbox
  WHERE id = ANY(ARRAY(SELECT id FROM outbox
                        WHERE published_at < now() - make_interval(secs => $1)
                        ORDER BY published_at LIMIT $2
-                         FOR UPDATE SKIP LOCKED))
+                         FOR UPDATE SKIP LOCKED)
+                || ARRAY(SELECT id FROM outbox
+                          WHERE refused_at < now() - make_interval(secs => $1)
+                          ORDER BY refused_at LIMIT $2
+                            FOR UPDATE SKIP LOCKED))
 
 -- name: register_worker
 -- Also how a running worker whose row was pruned comes back (service.runtime.maintenance.beat);
@@ -507,7 +522,9 @@ SELECT count(*) FROM workers w
                     WHERE m.owner = w.worker_id AND m.status = 'IN_PROGRESS')
 
 -- name: prune_count_outbox
-SELECT count(*) FROM outbox WHERE published_at < now() - make_interval(secs => $1)
+SELECT count(*) FROM outbox
+ WHERE published_at < now() - make_interval(secs => $1)
+    OR refused_at < now() - make_interval(secs => $1)
 
 -- name: prune_payload_refusals
 -- Pointers S3 has not refused for INGEST_RETENTION_DAYS (migration 006's index on
