@@ -73,7 +73,6 @@ MOVES: dict[str, str] = {
     "dbhealth": "runtime.dbhealth",
     "resolve": "runtime.resolve",
     "results": "runtime.results",
-    "crashpoint": "runtime.crashpoint",
     "coalesce": "adapters.coalesce",
     # ops: the operator commands
     "diagnose": "ops.diagnose",

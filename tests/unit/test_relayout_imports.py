@@ -22,9 +22,9 @@ from service import (
 from service.handlers import handler, registry
 from service.sql import queries
 
-    from service import crashpoint
+    from service import maintenance
 
-monkeypatch.setattr("service.batch.crash_point", f)
+monkeypatch.setattr("service.batch.fence", f)
 cmd = [sys.executable, "-m", "service.cli"]
 only_mutate = ["service/store.py", "service/sql/queries.sql", "service/testing.py"]
 sqs_ingest = "service.pytest_plugin"
@@ -40,9 +40,9 @@ from service.core import registry
 from service.handlers import handler
 from service.adapters.sql import queries
 
-    from service.runtime import crashpoint
+    from service.runtime import maintenance
 
-monkeypatch.setattr("service.runtime.batch.crash_point", f)
+monkeypatch.setattr("service.runtime.batch.fence", f)
 cmd = [sys.executable, "-m", "service.cli"]
 only_mutate = ["service/adapters/store.py", "service/adapters/sql/queries.sql", "service/testing/fakes.py"]
 sqs_ingest = "service.testing.pytest_plugin"
