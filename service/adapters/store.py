@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
 import orjson
+import structlog
 
 from service.adapters import completion
 from service.adapters.migrate import check_schema
@@ -19,6 +21,7 @@ from service.adapters.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, tran
 from service.adapters.sql import queries
 from service.core.limits import storable
 from service.core.messages import Message
+from service.core.registry import EntityRow
 from service.core.seams import (
     ApplyResult,
     BatchCall,
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 Q = queries()
+log = structlog.get_logger("sqs_ingest.store")
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -277,6 +281,41 @@ class Store(PgOutbox):
             self.outbox_written.set()
         return result
 
+    async def apply_entities(
+        self, messages: Sequence[Message], rows: Sequence[EntityRow], time_limit: float | None,
+    ) -> ApplyResult | None:
+        """``apply`` of a batch the reference handlers carry alone — standard queue, ``rows``
+        (``EntityRow``, one per message, no entity twice) — in one statement, its own
+        transaction: fence, upsert, complete (``apply_entities`` in ``sql/queries.sql``). No
+        commit guard and no reset: nothing but the store's statement runs, so it leaves no
+        session state. None when the statement failed on anything but a lost connection
+        (nothing of it committed): the caller runs ``apply``, whose attempts then decide
+        what the error is (a handler's failure, a conflict to rerun, a busy database)."""
+        retried = [m.request_id for m in messages if m.failures > 0]
+        async with connection(self.pool) as conn:
+            try:
+                done = await conn.fetch(
+                    Q["apply_entities"],
+                    [m.request_id for m in messages], [m.claim_token for m in messages],
+                    [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                    [r[3] for r in rows], self.worker_id, retried, self.results,
+                    [m.raw.group_id for m in messages], timeout=time_limit)
+            except Exception as exc:
+                if _lost(conn, exc):
+                    raise  # the connection's translation: DatabaseUnavailable
+                log.info("apply_entities_fell_back", error=f"{type(exc).__name__}: {exc}")
+                return None
+        applied = {r["request_id"]: r["applied"] for r in done}
+        result = ApplyResult(committed_at=time.time())
+        for m in messages:
+            if m.request_id in applied:
+                result.completed.append((m, {"applied": applied[m.request_id]}))
+            else:
+                result.lost.append(m)
+        if self.results and result.completed:
+            self.outbox_written.set()
+        return result
+
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         if not letters:
             return
@@ -326,6 +365,17 @@ class Store(PgOutbox):
         if exhausted and self.results:
             self.outbox_written.set()
         return counts
+
+
+def _lost(conn: Any, exc: BaseException) -> bool:
+    """The connection is gone (an outage), as opposed to a statement that failed on it, or
+    that ran past the handlers' time limit (cancelled: the connection stays)."""
+    try:
+        if conn.is_closed():
+            return True
+    except asyncpg.InterfaceError:
+        return True  # detached: closed
+    return isinstance(exc, CONNECTION_ERRORS) and not isinstance(exc, TimeoutError)
 
 
 def _outbox_row(r: asyncpg.Record) -> OutboxRow:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from service.core.limits import storable
 from service.core.messages import Message, Poison, Received
+from service.core.registry import EntityRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +219,13 @@ class StoreSeam(Protocol):
         """Run the handlers (``call``; ``batch``: the batch form) and mark the messages
         COMPLETED in one transaction fenced on the owner (``service.adapters.completion``): what
         completed, failed, was lost to GC, or was blocked behind a FIFO failure."""
+
+    async def apply_entities(
+        self, messages: Sequence[Message], rows: Sequence[EntityRow], time_limit: float | None,
+    ) -> ApplyResult | None:
+        """``apply`` of a batch the reference handlers carry alone (standard queue; ``rows``:
+        their entity rows, no entity twice), in one statement with the same effect and
+        results; None when it could not (nothing committed): the caller runs ``apply``."""
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         """Store ``letters`` in dead_letters (a message stored once, whatever its

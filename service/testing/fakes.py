@@ -21,6 +21,7 @@ import orjson
 
 from service.adapters import completion
 from service.core.messages import Message, Received
+from service.core.registry import EntityRow
 from service.core.seams import (
     ApplyResult,
     Batching,
@@ -410,6 +411,12 @@ class FakeStore(FakeOutbox):
         once, batch_once = _replayed(call, batch)
         return await completion.complete(
             _FakeTransactions(self), messages, once, fifo, batch_once)
+
+    async def apply_entities(
+        self, messages: Sequence[Message], rows: Sequence[EntityRow], time_limit: float | None,
+    ) -> ApplyResult | None:
+        """Never fused: the fake runs every batch through ``apply`` (the same results)."""
+        return None
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self._check()

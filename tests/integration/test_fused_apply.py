@@ -1,0 +1,235 @@
+"""The fused statement of the reference handlers (``Store.apply_entities``) against a real
+PostgreSQL: the same effect and results as the completing transaction (``Store.apply`` with
+the handlers' batch form), and the fence: a claim taken over before the statement, or while
+it waits for the claim's row lock, is neither written nor completed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from service.adapters.store import Store, create_pool
+from service.core.messages import Message, Received, parse
+from service.core.registry import EntityRow
+from service.handlers import default_registry, load_reference_handlers
+from service.handlers.invoke import Invoker
+from tests.conftest import fresh_database
+from tests.servers import Postgres
+
+
+def message(rid: str, type_: str, payload: dict[str, Any], failures: int = 0) -> Message:
+    load_reference_handlers()
+    m = parse(Received("m-" + rid, "rh", json.dumps(
+        {"request_id": rid, "type": type_, "payload": payload}), 1), default_registry)
+    assert isinstance(m, Message)
+    m.failures = failures
+    return m
+
+
+def rows(messages: list[Message]) -> list[EntityRow]:
+    out = []
+    for m in messages:
+        spec = default_registry.get(m.type)
+        assert spec is not None and spec.entity_row is not None
+        out.append(spec.entity_row(m.payload))
+    return out
+
+
+def batch() -> list[Message]:
+    """Every rule of the reference handlers against the entities of ``seed``: newer, equal
+    and older versions, a delete that lands, one that does not, a new entity, a tombstone of
+    one never seen, and a request that failed before (its retry count goes)."""
+    return [
+        message("newer", "entity.upsert", {"entity_id": "e1", "version": 6, "data": {"a": 1}}),
+        message("tie", "entity.upsert", {"entity_id": "e2", "version": 5, "data": {"b": 2}}),
+        message("older", "entity.delete", {"entity_id": "e3", "version": 4}),
+        message("delete", "entity.delete", {"entity_id": "e4", "version": 9}),
+        message("new", "entity.upsert",
+                {"entity_id": "e5", "version": 1, "data": {"c": [1, "x", None]}}, failures=2),
+        message("tombstone", "entity.delete", {"entity_id": "e6", "version": 1}),
+    ]
+
+
+async def seed(conn: asyncpg.Connection) -> None:
+    await conn.execute(
+        "INSERT INTO entities (entity_id, version, deleted, data, request_id) VALUES"
+        " ('e1', 5, false, '{\"old\": 1}', 'seed'), ('e2', 5, false, '{\"old\": 2}', 'seed'),"
+        " ('e3', 5, false, '{\"old\": 3}', 'seed'), ('e4', 5, false, '{\"old\": 4}', 'seed')")
+    await conn.execute("INSERT INTO retry_attempts (request_id, failures, last_error)"
+                       " VALUES ('new', 2, 'boom'), ('unrelated', 1, 'boom')")
+
+
+async def tables(conn: asyncpg.Connection) -> dict[str, list[Any]]:
+    return {
+        "entities": [tuple(r) for r in await conn.fetch(
+            "SELECT entity_id, version, deleted, data::text, request_id FROM entities"
+            " ORDER BY entity_id")],
+        "modifications": [tuple(r) for r in await conn.fetch(
+            "SELECT request_id, status, owner, result::text, completed_at IS NOT NULL"
+            " FROM modifications ORDER BY request_id")],
+        "outbox": [tuple(r) for r in await conn.fetch(
+            "SELECT request_id, request_type, status, result::text, reason, group_id,"
+            " completed_at = (SELECT completed_at FROM modifications m"
+            "                  WHERE m.request_id = o.request_id)"
+            " FROM outbox o ORDER BY id")],
+        "retry_attempts": [tuple(r) for r in await conn.fetch(
+            "SELECT request_id, failures FROM retry_attempts ORDER BY request_id")],
+    }
+
+
+async def applied(dsn: str, fused: bool) -> tuple[list[Any], dict[str, list[Any]]]:
+    pool = await create_pool(dsn, 2)
+    try:
+        store = Store(pool, "w-a", results=True)
+        await store.register_worker("w-a")
+        async with pool.acquire() as conn:
+            await seed(conn)
+        todo = batch()
+        await store.claim(todo)
+        if fused:
+            res = await store.apply_entities(todo, rows(todo), None)
+            assert res is not None
+        else:
+            res = await store.apply(todo, Invoker(default_registry).one,
+                                    batch=Invoker(default_registry).batching)
+        summary = [[(m.request_id, r) for m, r in res.completed],
+                   [m.request_id for m in res.lost], res.failed, res.blocked]
+        async with pool.acquire() as conn:
+            return summary, await tables(conn)
+    finally:
+        pool.terminate()
+
+
+@pytest.fixture
+async def two_databases(pg_server: Postgres) -> AsyncIterator[tuple[str, str]]:
+    async with fresh_database(pg_server) as a, fresh_database(pg_server) as b:
+        yield a, b
+
+
+async def test_the_fused_statement_has_the_completing_transactions_effect(
+    two_databases: tuple[str, str],
+) -> None:
+    general = await applied(two_databases[0], fused=False)
+    fused = await applied(two_databases[1], fused=True)
+    assert fused == general
+    # and what both did, read once
+    completed, lost, _, _ = fused[0]
+    assert completed == [("newer", {"applied": True}), ("tie", {"applied": False}),
+                         ("older", {"applied": False}), ("delete", {"applied": True}),
+                         ("new", {"applied": True}), ("tombstone", {"applied": True})]
+    assert lost == []
+    assert [r[0] for r in fused[1]["outbox"]] == [m.request_id for m in batch()]
+    assert fused[1]["retry_attempts"] == [("unrelated", 1)]
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    pool = await create_pool(database_url, 2)
+    s = Store(pool, "w-a")
+    await s.register_worker("w-a")
+    yield s
+    await pool.close()
+
+
+def three() -> list[Message]:
+    return [message(r, "entity.upsert", {"entity_id": "e-" + r, "version": 1, "data": {}})
+            for r in ("r1", "r2", "r3")]
+
+
+TAKE_OVER = ("UPDATE modifications SET owner = 'w-b', claim_token = $2"
+             " WHERE request_id = $1 AND status = 'IN_PROGRESS'")
+
+
+async def outcome(db: asyncpg.Connection) -> tuple[list[Any], list[Any]]:
+    entities = [r["request_id"] for r in await db.fetch(
+        "SELECT request_id FROM entities ORDER BY request_id")]
+    mods = [tuple(r) for r in await db.fetch(
+        "SELECT request_id, status, owner FROM modifications ORDER BY request_id")]
+    return entities, mods
+
+
+async def test_a_claim_taken_over_before_the_statement_is_neither_written_nor_completed(
+    store: Store, db: asyncpg.Connection,
+) -> None:
+    todo = three()
+    await store.claim(todo)
+    await db.execute(TAKE_OVER, "r2", uuid.uuid4())  # another worker's, committed
+    res = await store.apply_entities(todo, rows(todo), None)
+    assert res is not None
+    assert [m.request_id for m, _ in res.completed] == ["r1", "r3"]
+    assert [m.request_id for m in res.lost] == ["r2"]
+    assert await outcome(db) == (
+        ["r1", "r3"],
+        [("r1", "COMPLETED", "w-a"), ("r2", "IN_PROGRESS", "w-b"), ("r3", "COMPLETED", "w-a")])
+
+
+async def test_a_claim_of_another_batch_of_this_worker_is_not_completed(
+    store: Store, db: asyncpg.Connection,
+) -> None:
+    """The fence is on the claim token too: a claim this worker released and made again
+    for another batch (a redelivery) is that batch's to complete."""
+    todo = three()
+    await store.claim(todo)
+    await store.release([todo[1]])
+    again = three()[1]
+    assert (await store.claim([again]))["r2"].claimed  # a new token
+    res = await store.apply_entities(todo, rows(todo), None)
+    assert res is not None and [m.request_id for m in res.lost] == ["r2"]
+    assert await outcome(db) == (
+        ["r1", "r3"],
+        [("r1", "COMPLETED", "w-a"), ("r2", "IN_PROGRESS", "w-a"), ("r3", "COMPLETED", "w-a")])
+
+
+async def test_a_claim_taken_over_while_the_statement_waits_for_its_lock_is_not_applied(
+    store: Store, db: asyncpg.Connection, database_url: str,
+) -> None:
+    """Two sessions, in a fixed order: B holds r2's row; the fused statement fences r1 and
+    waits for r2; B takes the claim over and commits; the statement rechecks r2 as B left it
+    — not ours — and goes on without it. Nothing of r2 applied, nothing twice."""
+    todo = three()
+    await store.claim(todo)
+    other = await asyncpg.connect(database_url)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
+        fused = asyncio.create_task(store.apply_entities(todo, rows(todo), None))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database() AND pid <> $1", other.get_server_pid()):
+            assert loop.time() < deadline, "the fused statement never waited for r2's lock"
+            assert not fused.done(), "the fused statement did not wait for r2's lock"
+            await asyncio.sleep(0.05)
+        await other.execute(TAKE_OVER, "r2", uuid.uuid4())
+        await tx.commit()
+        res = await asyncio.wait_for(fused, 30)
+    finally:
+        await other.close()
+    assert res is not None
+    assert [m.request_id for m in res.lost] == ["r2"]
+    assert await outcome(db) == (
+        ["r1", "r3"],
+        [("r1", "COMPLETED", "w-a"), ("r2", "IN_PROGRESS", "w-b"), ("r3", "COMPLETED", "w-a")])
+
+
+async def test_a_failing_statement_commits_nothing_and_says_so(
+    store: Store, db: asyncpg.Connection,
+) -> None:
+    """An entity twice (a caller's mistake here: ON CONFLICT cannot touch a row twice): the
+    statement fails, nothing of it commits, and None sends the caller to ``apply``."""
+    todo = three()
+    await store.claim(todo)
+    twice = rows(todo)
+    twice[2] = (twice[1][0], *twice[2][1:])
+    assert await store.apply_entities(todo, twice, None) is None
+    assert await outcome(db) == (
+        [], [("r1", "IN_PROGRESS", "w-a"), ("r2", "IN_PROGRESS", "w-a"),
+             ("r3", "IN_PROGRESS", "w-a")])
