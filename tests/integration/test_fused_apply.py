@@ -233,3 +233,109 @@ async def test_a_failing_statement_commits_nothing_and_says_so(
     assert await outcome(db) == (
         [], [("r1", "IN_PROGRESS", "w-a"), ("r2", "IN_PROGRESS", "w-a"),
              ("r3", "IN_PROGRESS", "w-a")])
+
+
+class ReadOnlyApply(Store):
+    """Claims on a writable pool, applies on ``read_only`` (every transaction read-only, as
+    on a standby after a failover): the fused statement meets 25006 after a claim that
+    committed. Counts the fused statements that fell back."""
+
+    def __init__(self, writable: asyncpg.Pool, read_only: asyncpg.Pool) -> None:
+        super().__init__(read_only, "w-a")
+        self.writable = Store(writable, "w-a")
+        self.fell_back = 0
+
+    async def claim(self, messages: Any) -> Any:
+        return await self.writable.claim(messages)
+
+    async def apply_entities(self, *args: Any, **kwargs: Any) -> Any:
+        res = await super().apply_entities(*args, **kwargs)
+        self.fell_back += res is None
+        return res
+
+
+async def test_a_busy_database_met_by_the_fused_statement_defers_the_batch_as_before(
+    database_url: str, db: asyncpg.Connection,
+) -> None:
+    """25006 in the fused statement: it falls back, and the completing transaction meets the
+    same refusal at its fence — DatabaseBusy, as on the general path: the batch handed back,
+    receiving paused, no failure counted, nothing dead-lettered."""
+    from service.core.retry import ReceiveLimit, RetryPolicy
+    from service.errors import DatabaseBusy
+    from service.runtime.batch import BatchProcessor
+    from service.runtime.dbhealth import DatabaseHealth
+    from service.testing import FakeQueue
+
+    writable = await create_pool(database_url, 1)
+    # asyncpg passes a DSN's unknown parameters on as server settings
+    sep = "&" if "?" in database_url else "?"
+    read_only = await create_pool(f"{database_url}{sep}default_transaction_read_only=on", 1)
+    try:
+        store = ReadOnlyApply(writable, read_only)
+        await store.writable.register_worker("w-a")
+        queue = FakeQueue()
+        for m in three():
+            queue.send(json.dumps({"request_id": m.request_id, "type": m.type,
+                                   "payload": m.payload_json}))
+        received = await queue.receive(10, 0, 30)
+
+        async def _noop() -> None:
+            return None
+
+        downs: list[BaseException] = []
+
+        class Health(DatabaseHealth):
+            def down(self, exc: BaseException) -> None:
+                downs.append(exc)
+                super().down(exc)
+
+        health = Health(store, asyncio.Event(), _noop)
+        processor = BatchProcessor(
+            queue, store, default_registry, RetryPolicy(), health, fifo=False,
+            visibility_timeout=30, handler_timeout=60, fatal=lambda *a, **k: None,
+            limit=ReceiveLimit(RetryPolicy().max_failures))
+        await processor.run(received)
+        health.cancel()
+        assert store.fell_back == 1
+        assert len(downs) == 1 and isinstance(downs[0], DatabaseBusy), downs
+        assert sorted(mid for mid, _ in queue.visibility_calls) == sorted(
+            m.message_id for m in received)
+        assert await db.fetchval("SELECT count(*) FROM retry_attempts") == 0
+        assert await db.fetchval("SELECT count(*) FROM dead_letters") == 0
+        assert await db.fetchval("SELECT count(*) FROM entities") == 0
+    finally:
+        await read_only.close()
+        await writable.close()
+
+
+async def test_a_connection_lost_in_the_fused_statement_is_an_outage(
+    store: Store, db: asyncpg.Connection, database_url: str,
+) -> None:
+    """The connection goes while the statement waits for a lock: DatabaseUnavailable at once
+    (not a fall-back onto the completing transaction), and nothing of it committed."""
+    from service.errors import DatabaseUnavailable
+
+    todo = three()
+    await store.claim(todo)
+    other = await asyncpg.connect(database_url)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
+        fused = asyncio.create_task(store.apply_entities(todo, rows(todo), None))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not (pid := await db.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database() AND pid <> $1", other.get_server_pid())):
+            assert loop.time() < deadline and not fused.done()
+            await asyncio.sleep(0.05)
+        await db.execute("SELECT pg_terminate_backend($1)", pid)
+        with pytest.raises(DatabaseUnavailable):
+            await asyncio.wait_for(fused, 30)
+        await tx.rollback()
+    finally:
+        await other.close()
+    assert await outcome(db) == (
+        [], [("r1", "IN_PROGRESS", "w-a"), ("r2", "IN_PROGRESS", "w-a"),
+             ("r3", "IN_PROGRESS", "w-a")])
