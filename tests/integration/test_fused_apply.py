@@ -339,3 +339,66 @@ async def test_a_connection_lost_in_the_fused_statement_is_an_outage(
     assert await outcome(db) == (
         [], [("r1", "IN_PROGRESS", "w-a"), ("r2", "IN_PROGRESS", "w-a"),
              ("r3", "IN_PROGRESS", "w-a")])
+
+
+class Counting(Store):
+    """Counts the batches the fused statement and the completing transaction applied."""
+
+    fused = 0
+    general = 0
+
+    async def apply_entities(self, *args: Any, **kwargs: Any) -> Any:
+        self.fused += 1
+        return await super().apply_entities(*args, **kwargs)
+
+    async def apply(self, *args: Any, **kwargs: Any) -> Any:
+        self.general += 1
+        return await super().apply(*args, **kwargs)
+
+
+async def test_a_bisected_batch_completes_through_the_completing_transaction(
+    database_url: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request_id PostgreSQL refuses at the claim (the door's limit lifted): the batch is
+    bisected, and its parts are applied by ``Store.apply`` only — the neighbours complete,
+    the one at fault is dead-lettered."""
+    from service.core.retry import ReceiveLimit, RetryPolicy
+    from service.runtime.batch import BatchProcessor
+    from service.runtime.dbhealth import DatabaseHealth
+    from service.testing import FakeQueue
+    from tests.integration.test_hostile import hostile_id, upsert
+
+    monkeypatch.setattr("service.core.messages.INDEXED_TEXT_MAX_CHARS", 10**9)
+    load_reference_handlers()
+    pool = await create_pool(database_url, 2)
+    try:
+        store = Counting(pool, "w-a")
+        await store.register_worker("w-a")
+        queue = FakeQueue()
+        bodies = [upsert(f"r{i}", f"e{i}") for i in range(8)]
+        bodies.insert(3, upsert(hostile_id(), "e-hostile"))
+        for b in bodies:
+            queue.send(b)
+        received = await queue.receive(10, 0, 30)
+        assert len(received) == 9
+
+        async def _noop() -> None:
+            return None
+
+        fatal: list[Any] = []
+        processor = BatchProcessor(
+            queue, store, default_registry, RetryPolicy(),
+            DatabaseHealth(store, asyncio.Event(), _noop), fifo=False,
+            visibility_timeout=30, handler_timeout=60,
+            fatal=lambda *a, **k: fatal.append(a),
+            limit=ReceiveLimit(RetryPolicy().max_failures))
+        await processor.run(received)
+        assert not fatal
+        assert (store.fused, store.general > 0) == (0, True)
+        assert await db.fetchval(
+            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'") == 8
+        assert await db.fetchval("SELECT count(*) FROM entities") == 8
+        assert [r["reason"] for r in await db.fetch("SELECT reason FROM dead_letters")] == [
+            "rejected_by_database"]
+    finally:
+        await pool.close()
