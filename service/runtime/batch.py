@@ -247,7 +247,6 @@ class BatchProcessor:
             plan.merge(settle_failures(failures, counts, self.policy, self.limit))
         return plan
 
-
     def _entity_rows(self, to_apply: list[Message]) -> list[EntityRow] | None:
         """The entity rows of a batch the reference handlers carry alone — standard queue,
         every type's handler has one (``HandlerSpec.entity_row``), no entity twice — for
