@@ -402,3 +402,72 @@ async def test_a_bisected_batch_completes_through_the_completing_transaction(
             "rejected_by_database"]
     finally:
         await pool.close()
+
+
+def entity(rid: str, eid: str) -> str:
+    return json.dumps({"request_id": rid, "type": "entity.upsert",
+                       "payload": {"entity_id": eid, "version": 1, "data": {}}})
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("reference", (1, 0)),
+    ("fifo", (0, 1)),
+    ("an entity twice", (0, 1)),
+    ("a user's handler", (0, 1)),
+])
+async def test_which_batches_the_fused_statement_carries(
+    case: str, expected: tuple[int, int], database_url: str, db: asyncpg.Connection,
+) -> None:
+    """Only a standard queue's batch of the reference handlers alone, no entity twice."""
+    from service.core.retry import ReceiveLimit, RetryPolicy
+    from service.handlers import Registry
+    from service.runtime.batch import BatchProcessor
+    from service.runtime.dbhealth import DatabaseHealth
+    from service.testing import FakeQueue
+
+    load_reference_handlers()
+    reg = default_registry
+    bodies = [entity(f"r{i}", f"e{i}") for i in range(5)]
+    if case == "an entity twice":
+        bodies[4] = entity("r4", "e0")
+    if case == "a user's handler":
+        reg = Registry()
+        for t in ("entity.upsert", "entity.delete"):
+            spec = default_registry.get(t)
+            assert spec is not None and spec.batch_fn and spec.entity_row
+            reg.register(t, spec.model, spec.fn)
+            reg.register_batch(t, spec.batch_fn)
+            reg.register_entity_row(t, spec.entity_row)
+
+        async def note(p: Any, conn: Any) -> dict[str, Any]:
+            return {"noted": p.entity_id}
+
+        reg.register("note", default_registry.get("entity.upsert").model, note)  # type: ignore[union-attr]
+        bodies[2] = bodies[2].replace('"entity.upsert"', '"note"')
+    fifo = case == "fifo"
+    pool = await create_pool(database_url, 2)
+    try:
+        store = Counting(pool, "w-a")
+        await store.register_worker("w-a")
+        queue = FakeQueue()
+        for i, b in enumerate(bodies):
+            queue.send(b, group_id=f"g{i}" if fifo else None)
+        received = await queue.receive(10, 0, 30)
+
+        async def _noop() -> None:
+            return None
+
+        fatal: list[Any] = []
+        processor = BatchProcessor(
+            queue, store, reg, RetryPolicy(), DatabaseHealth(store, asyncio.Event(), _noop),
+            fifo=fifo, visibility_timeout=30, handler_timeout=60,
+            fatal=lambda *a, **k: fatal.append(a),
+            limit=ReceiveLimit(RetryPolicy().max_failures))
+        await processor.run(received)
+        assert not fatal
+        assert (store.fused, store.general) == expected
+        assert await db.fetchval(
+            "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'") == 5
+        assert queue.messages == {}
+    finally:
+        await pool.close()
