@@ -30,7 +30,8 @@ BatchFn = Callable[
 ]
 #: The reference handlers' row of ``entities`` for a payload: (entity_id, version, deleted,
 #: data as JSON text or None). A batch whose handlers all have one, with no entity twice, is
-#: applied by the store in one statement (``Store.apply_entities``) with the same effect.
+#: applied by the store in one statement (``Store.apply`` given ``entity_rows``) with the
+#: same effect.
 EntityRow = tuple[str, int, bool, str | None]
 EntityRowFn = Callable[[Any], EntityRow]
 

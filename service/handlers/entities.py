@@ -106,8 +106,9 @@ def _delete_row(p: EntityDelete) -> tuple[str, int, bool, str | None]:
 
 
 # What the plain handlers write, as rows: a batch of these handlers alone (standard queue,
-# no entity twice) is applied in one statement by the store (``Store.apply_entities``:
-# the same upsert, its fence and completion fused), the same effect and results.
+# no entity twice) is applied in one statement by the store
+# (``service.adapters.store.apply_entities``: the same upsert, its fence and completion
+# fused), the same effect and results.
 default_registry.register_entity_row("entity.upsert", _upsert_row)
 default_registry.register_entity_row("entity.delete", _delete_row)
 

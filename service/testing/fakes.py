@@ -404,19 +404,15 @@ class FakeStore(FakeOutbox):
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
-        batch: Batching | None = None,
+        batch: Batching | None = None, entity_rows: Sequence[EntityRow] | None = None,
+        time_limit: float | None = None,
     ) -> ApplyResult:
-        """The store's own attempt loop (``service.adapters.completion``) over these tables."""
+        """The store's own attempt loop (``service.adapters.completion``) over these tables,
+        whatever ``entity_rows`` say (the store's one statement has the same results)."""
         self._check()
         once, batch_once = _replayed(call, batch)
         return await completion.complete(
             _FakeTransactions(self), messages, once, fifo, batch_once)
-
-    async def apply_entities(
-        self, messages: Sequence[Message], rows: Sequence[EntityRow], time_limit: float | None,
-    ) -> ApplyResult | None:
-        """Never fused: the fake runs every batch through ``apply`` (the same results)."""
-        return None
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self._check()

@@ -1,7 +1,9 @@
-"""The fused statement of the reference handlers (``Store.apply_entities``) against a real
-PostgreSQL: the same effect and results as the completing transaction (``Store.apply`` with
-the handlers' batch form), and the fence: a claim taken over before the statement, or while
-it waits for the claim's row lock, is neither written nor completed."""
+"""The fused statement of the reference handlers (``service.adapters.store.apply_entities``,
+what ``Store.apply`` runs first when given ``entity_rows``) against a real PostgreSQL: the
+same effect and results as the completing transaction (the attempt loop with the handlers'
+batch form), and the fence: a claim taken over before the statement, or while it waits for
+the claim's row lock, is neither written nor completed. Which batches take it, and what its
+errors become."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from service.adapters import completion
+from service.adapters import store as store_module
 from service.adapters.store import Store, create_pool
 from service.core.messages import Message, Received, parse
 from service.core.registry import EntityRow
@@ -39,6 +43,34 @@ def rows(messages: list[Message]) -> list[EntityRow]:
         assert spec is not None and spec.entity_row is not None
         out.append(spec.entity_row(m.payload))
     return out
+
+
+async def fused_statement(store: Store, todo: list[Message],
+                          entity_rows: list[EntityRow]) -> Any:
+    return await store_module.apply_entities(store.pool, store.worker_id, store.results, todo,
+                                             entity_rows, None)
+
+
+@pytest.fixture
+def paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How batches were applied: ``fused`` statements run, of which ``fell_back``, and runs
+    of the completing transaction's attempt loop (``general``)."""
+    counts = {"fused": 0, "fell_back": 0, "general": 0}
+    one_statement, attempts = store_module.apply_entities, completion.complete
+
+    async def counted_statement(*args: Any) -> Any:
+        counts["fused"] += 1
+        res = await one_statement(*args)
+        counts["fell_back"] += res is None
+        return res
+
+    async def counted_attempts(*args: Any, **kwargs: Any) -> Any:
+        counts["general"] += 1
+        return await attempts(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "apply_entities", counted_statement)
+    monkeypatch.setattr(completion, "complete", counted_attempts)
+    return counts
 
 
 def batch() -> list[Message]:
@@ -92,12 +124,9 @@ async def applied(dsn: str, fused: bool) -> tuple[list[Any], dict[str, list[Any]
             await seed(conn)
         todo = batch()
         await store.claim(todo)
-        if fused:
-            res = await store.apply_entities(todo, rows(todo), None)
-            assert res is not None
-        else:
-            res = await store.apply(todo, Invoker(default_registry).one,
-                                    batch=Invoker(default_registry).batching)
+        res = await store.apply(todo, Invoker(default_registry).one,
+                                batch=Invoker(default_registry).batching,
+                                entity_rows=rows(todo) if fused else None)
         summary = [[(m.request_id, r) for m, r in res.completed],
                    [m.request_id for m in res.lost], res.failed, res.blocked]
         async with pool.acquire() as conn:
@@ -113,10 +142,12 @@ async def two_databases(pg_server: Postgres) -> AsyncIterator[tuple[str, str]]:
 
 
 async def test_the_fused_statement_has_the_completing_transactions_effect(
-    two_databases: tuple[str, str],
+    two_databases: tuple[str, str], paths: dict[str, int],
 ) -> None:
     general = await applied(two_databases[0], fused=False)
+    assert paths == {"fused": 0, "fell_back": 0, "general": 1}
     fused = await applied(two_databases[1], fused=True)
+    assert paths == {"fused": 1, "fell_back": 0, "general": 1}
     assert fused == general
     # and what both did, read once
     completed, lost, _, _ = fused[0]
@@ -160,7 +191,7 @@ async def test_a_claim_taken_over_before_the_statement_is_neither_written_nor_co
     todo = three()
     await store.claim(todo)
     await db.execute(TAKE_OVER, "r2", uuid.uuid4())  # another worker's, committed
-    res = await store.apply_entities(todo, rows(todo), None)
+    res = await fused_statement(store, todo, rows(todo))
     assert res is not None
     assert [m.request_id for m, _ in res.completed] == ["r1", "r3"]
     assert [m.request_id for m in res.lost] == ["r2"]
@@ -179,7 +210,7 @@ async def test_a_claim_of_another_batch_of_this_worker_is_not_completed(
     await store.release([todo[1]])
     again = three()[1]
     assert (await store.claim([again]))["r2"].claimed  # a new token
-    res = await store.apply_entities(todo, rows(todo), None)
+    res = await fused_statement(store, todo, rows(todo))
     assert res is not None and [m.request_id for m in res.lost] == ["r2"]
     assert await outcome(db) == (
         ["r1", "r3"],
@@ -199,7 +230,7 @@ async def test_a_claim_taken_over_while_the_statement_waits_for_its_lock_is_not_
         tx = other.transaction()
         await tx.start()
         await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
-        fused = asyncio.create_task(store.apply_entities(todo, rows(todo), None))
+        fused = asyncio.create_task(fused_statement(store, todo, rows(todo)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
         while not await db.fetchval(
@@ -229,7 +260,7 @@ async def test_a_failing_statement_commits_nothing_and_says_so(
     await store.claim(todo)
     twice = rows(todo)
     twice[2] = (twice[1][0], *twice[2][1:])
-    assert await store.apply_entities(todo, twice, None) is None
+    assert await fused_statement(store, todo, twice) is None
     assert await outcome(db) == (
         [], [("r1", "IN_PROGRESS", "w-a"), ("r2", "IN_PROGRESS", "w-a"),
              ("r3", "IN_PROGRESS", "w-a")])
@@ -238,24 +269,18 @@ async def test_a_failing_statement_commits_nothing_and_says_so(
 class ReadOnlyApply(Store):
     """Claims on a writable pool, applies on ``read_only`` (every transaction read-only, as
     on a standby after a failover): the fused statement meets 25006 after a claim that
-    committed. Counts the fused statements that fell back."""
+    committed."""
 
     def __init__(self, writable: asyncpg.Pool, read_only: asyncpg.Pool) -> None:
         super().__init__(read_only, "w-a")
         self.writable = Store(writable, "w-a")
-        self.fell_back = 0
 
     async def claim(self, messages: Any) -> Any:
         return await self.writable.claim(messages)
 
-    async def apply_entities(self, *args: Any, **kwargs: Any) -> Any:
-        res = await super().apply_entities(*args, **kwargs)
-        self.fell_back += res is None
-        return res
-
 
 async def test_a_busy_database_met_by_the_fused_statement_defers_the_batch_as_before(
-    database_url: str, db: asyncpg.Connection,
+    database_url: str, db: asyncpg.Connection, paths: dict[str, int],
 ) -> None:
     """25006 in the fused statement: it falls back, and the completing transaction meets the
     same refusal at its fence — DatabaseBusy, as on the general path: the batch handed back,
@@ -296,7 +321,7 @@ async def test_a_busy_database_met_by_the_fused_statement_defers_the_batch_as_be
             limit=ReceiveLimit(RetryPolicy().max_failures))
         await processor.run(received)
         health.cancel()
-        assert store.fell_back == 1
+        assert paths == {"fused": 1, "fell_back": 1, "general": 1}
         assert len(downs) == 1 and isinstance(downs[0], DatabaseBusy), downs
         assert sorted(mid for mid, _ in queue.visibility_calls) == sorted(
             m.message_id for m in received)
@@ -322,7 +347,7 @@ async def test_a_connection_lost_in_the_fused_statement_is_an_outage(
         tx = other.transaction()
         await tx.start()
         await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
-        fused = asyncio.create_task(store.apply_entities(todo, rows(todo), None))
+        fused = asyncio.create_task(fused_statement(store, todo, rows(todo)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
         while not (pid := await db.fetchval(
@@ -341,23 +366,9 @@ async def test_a_connection_lost_in_the_fused_statement_is_an_outage(
              ("r3", "IN_PROGRESS", "w-a")])
 
 
-class Counting(Store):
-    """Counts the batches the fused statement and the completing transaction applied."""
-
-    fused = 0
-    general = 0
-
-    async def apply_entities(self, *args: Any, **kwargs: Any) -> Any:
-        self.fused += 1
-        return await super().apply_entities(*args, **kwargs)
-
-    async def apply(self, *args: Any, **kwargs: Any) -> Any:
-        self.general += 1
-        return await super().apply(*args, **kwargs)
-
-
 async def test_a_bisected_batch_completes_through_the_completing_transaction(
     database_url: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch,
+    paths: dict[str, int],
 ) -> None:
     """A request_id PostgreSQL refuses at the claim (the door's limit lifted): the batch is
     bisected, and its parts are applied by ``Store.apply`` only — the neighbours complete,
@@ -372,7 +383,7 @@ async def test_a_bisected_batch_completes_through_the_completing_transaction(
     load_reference_handlers()
     pool = await create_pool(database_url, 2)
     try:
-        store = Counting(pool, "w-a")
+        store = Store(pool, "w-a")
         await store.register_worker("w-a")
         queue = FakeQueue()
         bodies = [upsert(f"r{i}", f"e{i}") for i in range(8)]
@@ -394,7 +405,7 @@ async def test_a_bisected_batch_completes_through_the_completing_transaction(
             limit=ReceiveLimit(RetryPolicy().max_failures))
         await processor.run(received)
         assert not fatal
-        assert (store.fused, store.general > 0) == (0, True)
+        assert paths["fused"] == 0 and paths["general"] > 0, paths
         assert await db.fetchval(
             "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'") == 8
         assert await db.fetchval("SELECT count(*) FROM entities") == 8
@@ -417,6 +428,7 @@ def entity(rid: str, eid: str) -> str:
 ])
 async def test_which_batches_the_fused_statement_carries(
     case: str, expected: tuple[int, int], database_url: str, db: asyncpg.Connection,
+    paths: dict[str, int],
 ) -> None:
     """Only a standard queue's batch of the reference handlers alone, no entity twice."""
     from service.core.retry import ReceiveLimit, RetryPolicy
@@ -447,7 +459,7 @@ async def test_which_batches_the_fused_statement_carries(
     fifo = case == "fifo"
     pool = await create_pool(database_url, 2)
     try:
-        store = Counting(pool, "w-a")
+        store = Store(pool, "w-a")
         await store.register_worker("w-a")
         queue = FakeQueue()
         for i, b in enumerate(bodies):
@@ -465,7 +477,7 @@ async def test_which_batches_the_fused_statement_carries(
             limit=ReceiveLimit(RetryPolicy().max_failures))
         await processor.run(received)
         assert not fatal
-        assert (store.fused, store.general) == expected
+        assert (paths["fused"], paths["general"]) == expected
         assert await db.fetchval(
             "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'") == 5
         assert queue.messages == {}
