@@ -27,10 +27,12 @@ from tests.conftest import fresh_database
 from tests.servers import Postgres
 
 
-def message(rid: str, type_: str, payload: dict[str, Any], failures: int = 0) -> Message:
+def message(rid: str, type_: str, payload: dict[str, Any], failures: int = 0,
+            group: str | None = None) -> Message:
     load_reference_handlers()
     m = parse(Received("m-" + rid, "rh", json.dumps(
-        {"request_id": rid, "type": type_, "payload": payload}), 1), default_registry)
+        {"request_id": rid, "type": type_, "payload": payload}), 1, None, group),
+        default_registry)
     assert isinstance(m, Message)
     m.failures = failures
     return m
@@ -83,8 +85,9 @@ def batch() -> list[Message]:
         message("older", "entity.delete", {"entity_id": "e3", "version": 4}),
         message("delete", "entity.delete", {"entity_id": "e4", "version": 9}),
         message("new", "entity.upsert",
-                {"entity_id": "e5", "version": 1, "data": {"c": [1, "x", None]}}, failures=2),
-        message("tombstone", "entity.delete", {"entity_id": "e6", "version": 1}),
+                {"entity_id": "e5", "version": 1, "data": {"c": [1, "x", None]}}, failures=1),
+        # a standard queue's message group (a fair queue): kept on its result
+        message("tombstone", "entity.delete", {"entity_id": "e6", "version": 1}, group="t"),
     ]
 
 
@@ -94,7 +97,7 @@ async def seed(conn: asyncpg.Connection) -> None:
         " ('e1', 5, false, '{\"old\": 1}', 'seed'), ('e2', 5, false, '{\"old\": 2}', 'seed'),"
         " ('e3', 5, false, '{\"old\": 3}', 'seed'), ('e4', 5, false, '{\"old\": 4}', 'seed')")
     await conn.execute("INSERT INTO retry_attempts (request_id, failures, last_error)"
-                       " VALUES ('new', 2, 'boom'), ('unrelated', 1, 'boom')")
+                       " VALUES ('new', 1, 'boom'), ('unrelated', 1, 'boom')")
 
 
 async def tables(conn: asyncpg.Connection) -> dict[str, list[Any]]:
@@ -127,6 +130,7 @@ async def applied(dsn: str, fused: bool) -> tuple[list[Any], dict[str, list[Any]
         res = await store.apply(todo, Invoker(default_registry).one,
                                 batch=Invoker(default_registry).batching,
                                 entity_rows=rows(todo) if fused else None)
+        assert store.outbox_written.is_set()  # the publisher wakes up
         summary = [[(m.request_id, r) for m, r in res.completed],
                    [m.request_id for m in res.lost], res.failed, res.blocked]
         async with pool.acquire() as conn:
@@ -478,8 +482,42 @@ async def test_which_batches_the_fused_statement_carries(
         await processor.run(received)
         assert not fatal
         assert (paths["fused"], paths["general"]) == expected
+        assert not store.outbox_written.is_set()  # results off: no outbox row
         assert await db.fetchval(
             "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'") == 5
         assert queue.messages == {}
     finally:
         await pool.close()
+
+
+async def test_a_statement_past_the_handlers_time_limit_falls_back(
+    store: Store, db: asyncpg.Connection, database_url: str, paths: dict[str, int],
+) -> None:
+    """The handlers' time limit bounds the statement: waiting for a claim's lock past it, it
+    is cancelled (the connection stays) and the batch goes to the attempt loop, which
+    completes it once the lock is gone."""
+    todo = three()
+    await store.claim(todo)
+    other = await asyncpg.connect(database_url)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
+        applying = asyncio.create_task(store.apply(
+            todo, Invoker(default_registry).one, batch=Invoker(default_registry).batching,
+            entity_rows=rows(todo), time_limit=0.2))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while paths["fell_back"] == 0:
+            assert loop.time() < deadline, "the statement outlived its time limit"
+            assert not applying.done(), applying
+            await asyncio.sleep(0.05)
+        await tx.rollback()
+        res = await asyncio.wait_for(applying, 30)
+    finally:
+        await other.close()
+    assert paths == {"fused": 1, "fell_back": 1, "general": 1}
+    assert [m.request_id for m, _ in res.completed] == ["r1", "r2", "r3"]
+    assert await outcome(db) == (
+        ["r1", "r2", "r3"],
+        [("r1", "COMPLETED", "w-a"), ("r2", "COMPLETED", "w-a"), ("r3", "COMPLETED", "w-a")])
