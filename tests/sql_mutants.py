@@ -88,6 +88,23 @@ MUTANTS: list[SqlMutant] = [
       ('tests/contract/test_store_contract.py::test_completion_is_fenced_on_the_owner[postgres]',)),
     M("fence_no_for_update", "fence", "   FOR UPDATE", "",
       ('tests/integration/test_store.py::test_gc_skips_a_claim_being_completed',)),
+    # -- apply_entities (the reference handlers' fused statement) -------------------------
+    # The token alone would do against a takeover (a new token): both go here.
+    M("apply_entities_no_fence", "apply_entities",
+      " AND m.claim_token = i.claim_token\n       AND m.owner = $7", "\n      ",
+      ('tests/integration/test_fused_apply.py::test_a_claim_taken_over_before_the_statement_is_neither_written_nor_completed',)),
+    M("apply_entities_no_token", "apply_entities", " AND m.claim_token = i.claim_token", "",
+      ('tests/integration/test_fused_apply.py::test_a_claim_of_another_batch_of_this_worker_is_not_completed',)),
+    M("apply_entities_no_for_update", "apply_entities", "       FOR UPDATE OF m", "",
+      ('tests/integration/test_fused_apply.py::test_a_claim_taken_over_while_the_statement_waits_for_its_lock_is_not_applied',)),
+    M("apply_entities_tie_applies", "apply_entities", "WHERE e.version < EXCLUDED.version",
+      "WHERE e.version <= EXCLUDED.version",
+      ('tests/integration/test_fused_apply.py::test_the_fused_statement_has_the_completing_transactions_effect',)),
+    M("apply_entities_no_outbox", "apply_entities", "WHERE $9::boolean", "WHERE NOT $9::boolean",
+      ('tests/integration/test_fused_apply.py::test_the_fused_statement_has_the_completing_transactions_effect',)),
+    M("apply_entities_keeps_retries", "apply_entities", " AND r.request_id = ANY($8::text[])",
+      " AND false",
+      ('tests/integration/test_fused_apply.py::test_the_fused_statement_has_the_completing_transactions_effect',)),
     # -- guard_commit ---------------------------------------------------------------------
     M("guard_commit_no_close", "guard_commit", "CLOSE ALL;\n", "",
       ('tests/integration/test_commit_phase.py::test_a_deferred_constraint_one_message_violates_fails_it_alone',)),

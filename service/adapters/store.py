@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
 import orjson
+import structlog
 
 from service.adapters import completion
 from service.adapters.migrate import check_schema
@@ -19,6 +21,7 @@ from service.adapters.pgerrors import CONNECTION_ERRORS, RETRY_TRANSACTION, tran
 from service.adapters.sql import queries
 from service.core.limits import storable
 from service.core.messages import Message
+from service.core.registry import EntityRow
 from service.core.seams import (
     ApplyResult,
     BatchCall,
@@ -34,6 +37,7 @@ from service.core.seams import (
     StoreSeam,
     refused_of,
 )
+from service.observe import tracing
 
 __all__ = [
     "ApplyResult", "BatchCall", "BatchKey", "ClaimResult", "DeadLetter", "HandlerCall",
@@ -41,6 +45,7 @@ __all__ = [
 ]
 
 Q = queries()
+log = structlog.get_logger("sqs_ingest.store")
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -269,10 +274,22 @@ class Store(PgOutbox):
         call: HandlerCall,
         fifo: bool = False,
         batch: Batching | None = None,
+        entity_rows: Sequence[EntityRow] | None = None,
+        time_limit: float | None = None,
     ) -> ApplyResult:
         """Run handlers and mark COMPLETED in one transaction, fenced on ``owner``: the
         attempt loop of ``service.adapters.completion`` over this connection (a broken connection
-        raises DatabaseUnavailable)."""
+        raises DatabaseUnavailable). With ``entity_rows`` — a batch the reference handlers
+        carry alone — first as one statement (``apply_entities``, within ``time_limit``), the
+        attempt loop only when that fails."""
+        if entity_rows is not None:
+            with tracing.handlers(messages):  # the handlers' spans: their statement runs
+                fused = await apply_entities(self.pool, self.worker_id, self.results,
+                                             messages, entity_rows, time_limit)
+            if fused is not None:
+                if self.results and fused.completed:
+                    self.outbox_written.set()
+                return fused
         async with connection(self.pool) as conn:
             txns = _PgTransactions(self.pool, conn, self.worker_id, self.results)
             result = None
@@ -334,6 +351,52 @@ class Store(PgOutbox):
         if exhausted and self.results:
             self.outbox_written.set()
         return counts
+
+
+async def apply_entities(
+    pool: asyncpg.Pool, owner: str, results: bool, messages: Sequence[Message],
+    rows: Sequence[EntityRow], time_limit: float | None,
+) -> ApplyResult | None:
+    """``Store.apply`` of a batch the reference handlers carry alone — a standard queue,
+    ``rows`` (``EntityRow``, one per message, no entity twice) — in one statement, its own
+    transaction: fence, upsert, complete (``apply_entities`` in ``sql/queries.sql``). No
+    commit guard and no reset: nothing but the store's statement runs, so it leaves no
+    session state. None when the statement failed on anything but a lost connection
+    (nothing of it committed): the caller runs the attempt loop, whose attempts then decide
+    what the error is (a handler's failure, a conflict to rerun, a busy database)."""
+    retried = [m.request_id for m in messages if m.failures > 0]
+    async with connection(pool) as conn:
+        try:
+            done = await conn.fetch(
+                Q["apply_entities"],
+                [m.request_id for m in messages], [m.claim_token for m in messages],
+                [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                [r[3] for r in rows], owner, retried, results,
+                [m.raw.group_id for m in messages], timeout=time_limit)
+        except Exception as exc:
+            if _lost(conn, exc):
+                raise  # the connection's translation: DatabaseUnavailable
+            log.info("apply_entities_fell_back", error=f"{type(exc).__name__}: {exc}")
+            return None
+    applied = {r["request_id"]: r["applied"] for r in done}
+    result = ApplyResult(committed_at=time.time())
+    for m in messages:
+        if m.request_id in applied:
+            result.completed.append((m, {"applied": applied[m.request_id]}))
+        else:
+            result.lost.append(m)
+    return result
+
+
+def _lost(conn: Any, exc: BaseException) -> bool:
+    """The connection is gone (an outage), as opposed to a statement that failed on it, or
+    that ran past the handlers' time limit (cancelled: the connection stays)."""
+    try:
+        if conn.is_closed():
+            return True
+    except asyncpg.InterfaceError:
+        return True  # detached: closed
+    return isinstance(exc, CONNECTION_ERRORS) and not isinstance(exc, TimeoutError)
 
 
 def _outbox_row(r: asyncpg.Record) -> OutboxRow:

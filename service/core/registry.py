@@ -28,6 +28,12 @@ ENTRY_POINT_GROUP = "sqs_ingest.handlers"
 BatchFn = Callable[
     [list[tuple[str, Any]], Connection], Awaitable[list[dict[str, Any] | None] | None]
 ]
+#: The reference handlers' row of ``entities`` for a payload: (entity_id, version, deleted,
+#: data as JSON text or None). A batch whose handlers all have one, with no entity twice, is
+#: applied by the store in one statement (``Store.apply`` given ``entity_rows``) with the
+#: same effect.
+EntityRow = tuple[str, int, bool, str | None]
+EntityRowFn = Callable[[Any], EntityRow]
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class HandlerSpec:
     model: type[BaseModel]
     fn: HandlerFn
     batch_fn: BatchFn | None = None
+    entity_row: EntityRowFn | None = None  # the reference handlers' only (EntityRow)
 
 
 class HandlerConflict(ValueError):
@@ -67,6 +74,14 @@ class Registry:
         if spec is None:
             raise ValueError(f"register the handler for {type_!r} before its batch form")
         self._specs[type_] = dataclasses.replace(spec, batch_fn=fn)
+
+    def register_entity_row(self, type_: str, fn: EntityRowFn) -> None:
+        """For the reference handlers (``service.handlers.entities``) only: the row their
+        plain function writes, so the store can apply a batch of them in one statement."""
+        spec = self._specs.get(type_)
+        if spec is None:
+            raise ValueError(f"register the handler for {type_!r} before its entity row")
+        self._specs[type_] = dataclasses.replace(spec, entity_row=fn)
 
     def get(self, type_: str) -> HandlerSpec | None:
         return self._specs.get(type_)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from service.core.limits import storable
 from service.core.messages import Message, Poison, Received
+from service.core.registry import EntityRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +232,15 @@ class StoreSeam(Protocol):
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
-        batch: Batching | None = None,
+        batch: Batching | None = None, entity_rows: Sequence[EntityRow] | None = None,
+        time_limit: float | None = None,
     ) -> ApplyResult:
         """Run the handlers (``call``; ``batch``: the batch form) and mark the messages
         COMPLETED in one transaction fenced on the owner (``service.adapters.completion``): what
-        completed, failed, was lost to GC, or was blocked behind a FIFO failure."""
+        completed, failed, was lost to GC, or was blocked behind a FIFO failure. With
+        ``entity_rows`` (a standard queue's batch the reference handlers carry alone, no
+        entity twice: their rows) the store may apply it in one statement with the same
+        effect and results instead, within ``time_limit`` seconds."""
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         """Store ``letters`` in dead_letters (a message stored once, whatever its

@@ -14,7 +14,7 @@ import orjson
 from pydantic import BaseModel
 
 from service.core.limits import IndexedText, Int64
-from service.core.registry import batch_handler, handler
+from service.core.registry import batch_handler, default_registry, handler
 from service.handlers.context import current_request_id
 
 
@@ -95,6 +95,22 @@ async def entities_many(
         for i in positions:
             results[i] = {"applied": items[i][1].entity_id in applied}
     return results
+
+
+def _upsert_row(p: EntityUpsert) -> tuple[str, int, bool, str | None]:
+    return p.entity_id, p.version, False, orjson.dumps(p.data).decode()
+
+
+def _delete_row(p: EntityDelete) -> tuple[str, int, bool, str | None]:
+    return p.entity_id, p.version, True, None
+
+
+# What the plain handlers write, as rows: a batch of these handlers alone (standard queue,
+# no entity twice) is applied in one statement by the store
+# (``service.adapters.store.apply_entities``: the same upsert, its fence and completion
+# fused), the same effect and results.
+default_registry.register_entity_row("entity.upsert", _upsert_row)
+default_registry.register_entity_row("entity.delete", _delete_row)
 
 
 def _rounds(keys: list[str]) -> list[list[int]]:

@@ -74,6 +74,7 @@ class Bisection:
                 await self._blame(flight, left[0], exc)
                 return
             log.warning("batch_bisected", size=len(left), error=describe(exc))
+            flight.bisected = True
             mid = len(left) // 2
             for half in (left[:mid], left[mid:]):
                 self.heartbeat.ensure(flight)

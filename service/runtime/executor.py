@@ -41,6 +41,9 @@ class InFlight:
     # Dead letters already committed (by message id): carry_out does not write them again.
     lettered: set[str] = field(default_factory=set)
     body_bytes: int = 0  # of which its bodies (the rest: payloads of the current round)
+    # Split by a bisection: its parts complete through the completing transaction of
+    # ``Store.apply`` only, never the fused statement of the reference handlers.
+    bisected: bool = False
 
     def __post_init__(self) -> None:
         self.unresolved = {m.message_id: m for m in self.batch}

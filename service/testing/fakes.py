@@ -21,6 +21,7 @@ import orjson
 
 from service.adapters import completion
 from service.core.messages import Message, Received
+from service.core.registry import EntityRow
 from service.core.seams import (
     ApplyResult,
     Batching,
@@ -410,9 +411,11 @@ class FakeStore(FakeOutbox):
 
     async def apply(
         self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
-        batch: Batching | None = None,
+        batch: Batching | None = None, entity_rows: Sequence[EntityRow] | None = None,
+        time_limit: float | None = None,
     ) -> ApplyResult:
-        """The store's own attempt loop (``service.adapters.completion``) over these tables."""
+        """The store's own attempt loop (``service.adapters.completion``) over these tables,
+        whatever ``entity_rows`` say (the store's one statement has the same results)."""
         self._check()
         once, batch_once = _replayed(call, batch)
         return await completion.complete(

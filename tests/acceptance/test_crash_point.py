@@ -21,6 +21,7 @@ from tests.acceptance.harness import (
     ledger_rows,
     queue_depth,
     send_all,
+    upsert,
     wait_drained,
 )
 
@@ -78,6 +79,45 @@ async def test_crash_after_commit_before_delete_resolves_as_duplicates(
     assert d.metric(processed, outcome="completed") == len(bodies) - len(committed)
     assert d.stop() == 0, d.logs()
     check_ledger(await ledger_rows(database_url), w.ledger_entries())
+
+
+async def entity_rows(dsn: str) -> dict[str, str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {r["entity_id"]: r["request_id"] for r in await conn.fetch(
+            "SELECT entity_id, request_id FROM entities")}
+    finally:
+        await conn.close()
+
+
+async def test_a_crash_after_the_reference_handlers_one_statement_resolves_as_duplicates(
+    sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, spawn: Any
+) -> None:
+    """The same moment on the reference handlers' path (distinct entities, no handler of
+    the user's: each batch one statement, its own commit)."""
+    queue_url = make_queue(visibility=5)
+    bodies = [upsert(f"u-{i}", f"e-{i}", 1) for i in range(40)]
+    send_all(sqs_client, queue_url, bodies)
+    env = daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1")
+    d: Daemon = spawn({**env, "INGEST_TEST_CRASH_AT": CRASH})
+    assert d.wait(60) == -signal.SIGKILL, d.logs()
+    marker = f"crash_point {CRASH}: SIGKILL (INGEST_TEST_CRASH_AT)"
+    assert d.full_logs().rstrip().endswith(marker), d.logs()
+    committed = await completed_ids(database_url)
+    assert committed, "the crash came before any commit"
+    # the committed requests' entities, and no other
+    assert await entity_rows(database_url) == {f"e-{r[2:]}": r for r in committed}
+    assert queue_depth(sqs_client, queue_url) == len(bodies)
+
+    d.env.pop("INGEST_TEST_CRASH_AT")
+    d.start()
+    wait_drained(sqs_client, queue_url, [d])
+    processed = "sqs_ingest_messages_processed_total"
+    assert d.metric(processed, outcome="duplicate") >= len(committed)
+    assert d.metric(processed, outcome="completed") == len(bodies) - len(committed)
+    assert d.stop() == 0, d.logs()
+    assert await entity_rows(database_url) == {f"e-{i}": f"u-{i}" for i in range(40)}
+    assert await completed_ids(database_url) == {f"u-{i}" for i in range(40)}
 
 
 async def test_the_ledger_check_sees_a_handler_that_applies_twice(

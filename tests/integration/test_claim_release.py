@@ -45,7 +45,8 @@ class PausingStore(Store):
         self.second_applying = asyncio.Event()
 
     async def apply(self, messages: Sequence[Message], call: HandlerCall, fifo: bool = False,
-                    batch: Batching | None = None) -> ApplyResult:
+                    batch: Batching | None = None, entity_rows: Any = None,
+                    time_limit: float | None = None) -> ApplyResult:
         ids = {m.request_id for m in messages}
         if "first" in ids:
             self.parked.set()
@@ -55,7 +56,7 @@ class PausingStore(Store):
             if self.mode == "fails":
                 raise RuntimeError("the second batch fails")
             await asyncio.Event().wait()  # until cancelled
-        return await super().apply(messages, call, fifo, batch)
+        return await super().apply(messages, call, fifo, batch, entity_rows, time_limit)
 
 
 @pytest.fixture

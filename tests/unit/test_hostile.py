@@ -224,8 +224,10 @@ async def test_fifo_bisection_any_hand_back_holds_back_its_group() -> None:
 
     class Refusing(RefusingStore):
         async def apply(self, messages: Sequence[Message], call: Any, fifo: bool = False,
-                        batch: Any = None) -> Any:
-            res = await super().apply(messages, call, fifo=fifo, batch=batch)
+                        batch: Any = None, entity_rows: Any = None,
+                        time_limit: float | None = None) -> Any:
+            res = await super().apply(messages, call, fifo=fifo, batch=batch,
+                                      entity_rows=entity_rows, time_limit=time_limit)
             applied.extend(m.request_id for m, _ in res.completed)
             return res
 

@@ -157,6 +157,57 @@ WITH done AS (
 )
 SELECT request_id, set_config('sqs_ingest.completing', 'on', true) FROM done
 
+-- name: apply_entities
+-- The completing transaction of a batch the reference handlers carry alone (standard queue,
+-- no entity twice), fused into one statement, its own transaction: fence, the handlers'
+-- upsert (service/handlers/entities.py), complete, clear the failure counts and, with results
+-- on ($9), the outbox rows. The fence locks the claims still ours — this owner ($7), this
+-- claim's token, IN_PROGRESS — in request_id order until the statement commits; a claim
+-- collected or taken over meanwhile is not fenced (rechecked on the row as locked), so
+-- neither its entity is written nor its row completed. Only the fenced rows' entities are
+-- written, in entity_id order (one lock order for every replica). Per request: applied
+-- (its version was newer), as the handler's result {"applied": ...}. $8: the requests with
+-- earlier failures (their retry_attempts go, as clear_attempts). No session state is left.
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::boolean[],
+                         $6::text[], $10::text[])
+        WITH ORDINALITY AS t(request_id, claim_token, entity_id, version, deleted, data,
+                             group_id, n)
+), fenced AS (
+    SELECT m.id, m.request_id FROM modifications m, input i
+     WHERE m.request_id = i.request_id AND m.claim_token = i.claim_token
+       AND m.owner = $7 AND m.status = 'IN_PROGRESS'
+     ORDER BY m.request_id
+       FOR UPDATE OF m
+), up AS (
+    INSERT INTO entities AS e (entity_id, version, deleted, data, request_id, updated_at)
+    SELECT i.entity_id, i.version, i.deleted, i.data::jsonb, i.request_id, now()
+      FROM input i JOIN fenced f ON f.request_id = i.request_id
+     ORDER BY i.entity_id
+    ON CONFLICT (entity_id) DO UPDATE
+       SET version = EXCLUDED.version, deleted = EXCLUDED.deleted, data = EXCLUDED.data,
+           request_id = EXCLUDED.request_id, updated_at = now()
+     WHERE e.version < EXCLUDED.version
+    RETURNING e.request_id
+), done AS (
+    UPDATE modifications AS m
+       SET status = 'COMPLETED', completed_at = statement_timestamp(),
+           result = jsonb_build_object('applied', f.request_id IN (SELECT request_id FROM up))
+      FROM fenced f
+     WHERE m.id = f.id AND m.owner = $7 AND m.status = 'IN_PROGRESS'
+    RETURNING m.request_id, m.request_type, m.result, m.completed_at
+), cleared AS (
+    DELETE FROM retry_attempts r USING done d
+     WHERE r.request_id = d.request_id AND r.request_id = ANY($8::text[])
+), out AS (
+    INSERT INTO outbox (request_id, request_type, status, result, completed_at, group_id)
+    SELECT d.request_id, d.request_type, 'COMPLETED', d.result, d.completed_at, i.group_id
+      FROM done d JOIN input i ON i.request_id = d.request_id
+     WHERE $9::boolean
+     ORDER BY i.n  -- ids in batch order, as complete_with_result
+)
+SELECT d.request_id, (d.result->>'applied')::boolean AS applied FROM done d
+
 -- name: clear_attempts
 DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
 
