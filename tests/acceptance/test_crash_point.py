@@ -49,6 +49,32 @@ async def completed_ids(dsn: str) -> set[str]:
         await conn.close()
 
 
+async def crash_at_first_commit(spawn: Any, env: dict[str, str],
+                                database_url: str) -> tuple[Daemon, set[str]]:
+    """The daemon started with the crash point armed; it dies by its own SIGKILL there (its
+    line is the last thing it wrote), after a commit. Returns it and the committed requests."""
+    d: Daemon = spawn({**env, "INGEST_TEST_CRASH_AT": CRASH})
+    assert d.wait(60) == -signal.SIGKILL, d.logs()
+    marker = f"crash_point {CRASH}: SIGKILL (INGEST_TEST_CRASH_AT)"
+    assert d.full_logs().rstrip().endswith(marker), d.logs()
+    committed = await completed_ids(database_url)
+    assert committed, "the crash came before any commit"
+    return d, committed
+
+
+def restart_and_drain(d: Daemon, sqs_client: Any, queue_url: str, sent: int,
+                      committed: set[str]) -> None:
+    """Restarted unarmed: each committed message comes back and is resolved as a duplicate
+    (acked, not applied); the rest are applied once by the new process."""
+    d.env.pop("INGEST_TEST_CRASH_AT")
+    d.start()
+    wait_drained(sqs_client, queue_url, [d])
+    processed = "sqs_ingest_messages_processed_total"
+    assert d.metric(processed, outcome="duplicate") >= len(committed)
+    assert d.metric(processed, outcome="completed") == sent - len(committed)
+    assert d.stop() == 0, d.logs()
+
+
 async def test_crash_after_commit_before_delete_resolves_as_duplicates(
     sqs_client: Any, sqs_endpoint: str, make_queue: Any, database_url: str, spawn: Any
 ) -> None:
@@ -57,27 +83,13 @@ async def test_crash_after_commit_before_delete_resolves_as_duplicates(
     bodies = ledger_only(w, 40, "c")
     send_all(sqs_client, queue_url, bodies)
     env = daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1")
-    d: Daemon = spawn({**env, "INGEST_TEST_CRASH_AT": CRASH})
-    # It died by its own SIGKILL, at the crash point (its line is the last thing it wrote).
-    assert d.wait(60) == -signal.SIGKILL, d.logs()
-    marker = f"crash_point {CRASH}: SIGKILL (INGEST_TEST_CRASH_AT)"
-    assert d.full_logs().rstrip().endswith(marker), d.logs()
+    d, committed = await crash_at_first_commit(spawn, env, database_url)
     # ...after a commit: the batch's requests are COMPLETED and their effects are there...
-    committed = await completed_ids(database_url)
-    assert committed, "the crash came before any commit"
     check_ledger(await ledger_rows(database_url), {r: w.valid[r][1:] for r in committed})
     # ...and before any delete: every message sent is still on the queue.
     assert queue_depth(sqs_client, queue_url) == len(bodies)
 
-    d.env.pop("INGEST_TEST_CRASH_AT")
-    d.start()
-    wait_drained(sqs_client, queue_url, [d])
-    # Each committed message came back and was resolved as a duplicate (acked, not applied);
-    # the rest were applied once by the new process.
-    processed = "sqs_ingest_messages_processed_total"
-    assert d.metric(processed, outcome="duplicate") >= len(committed)
-    assert d.metric(processed, outcome="completed") == len(bodies) - len(committed)
-    assert d.stop() == 0, d.logs()
+    restart_and_drain(d, sqs_client, queue_url, len(bodies), committed)
     check_ledger(await ledger_rows(database_url), w.ledger_entries())
 
 
@@ -99,23 +111,12 @@ async def test_a_crash_after_the_reference_handlers_one_statement_resolves_as_du
     bodies = [upsert(f"u-{i}", f"e-{i}", 1) for i in range(40)]
     send_all(sqs_client, queue_url, bodies)
     env = daemon_env(database_url, queue_url, sqs_endpoint, INGEST_POLLERS="1")
-    d: Daemon = spawn({**env, "INGEST_TEST_CRASH_AT": CRASH})
-    assert d.wait(60) == -signal.SIGKILL, d.logs()
-    marker = f"crash_point {CRASH}: SIGKILL (INGEST_TEST_CRASH_AT)"
-    assert d.full_logs().rstrip().endswith(marker), d.logs()
-    committed = await completed_ids(database_url)
-    assert committed, "the crash came before any commit"
+    d, committed = await crash_at_first_commit(spawn, env, database_url)
     # the committed requests' entities, and no other
     assert await entity_rows(database_url) == {f"e-{r[2:]}": r for r in committed}
     assert queue_depth(sqs_client, queue_url) == len(bodies)
 
-    d.env.pop("INGEST_TEST_CRASH_AT")
-    d.start()
-    wait_drained(sqs_client, queue_url, [d])
-    processed = "sqs_ingest_messages_processed_total"
-    assert d.metric(processed, outcome="duplicate") >= len(committed)
-    assert d.metric(processed, outcome="completed") == len(bodies) - len(committed)
-    assert d.stop() == 0, d.logs()
+    restart_and_drain(d, sqs_client, queue_url, len(bodies), committed)
     assert await entity_rows(database_url) == {f"e-{i}": f"u-{i}" for i in range(40)}
     assert await completed_ids(database_url) == {f"u-{i}" for i in range(40)}
 
