@@ -221,6 +221,21 @@ async def test_a_claim_of_another_batch_of_this_worker_is_not_completed(
         [("r1", "COMPLETED", "w-a"), ("r2", "IN_PROGRESS", "w-a"), ("r3", "COMPLETED", "w-a")])
 
 
+async def waiting_for_a_lock(db: asyncpg.Connection, holder: asyncpg.Connection,
+                             fused: asyncio.Task[Any]) -> int:
+    """The backend pid of the fused statement once it waits for a row lock ``holder`` holds
+    (bounded; the statement must not finish meanwhile)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not (pid := await db.fetchval(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND datname = current_database() AND pid <> $1", holder.get_server_pid())):
+        assert loop.time() < deadline, "the fused statement never waited for r2's lock"
+        assert not fused.done(), "the fused statement did not wait for r2's lock"
+        await asyncio.sleep(0.05)
+    return int(pid)
+
+
 async def test_a_claim_taken_over_while_the_statement_waits_for_its_lock_is_not_applied(
     store: Store, db: asyncpg.Connection, database_url: str,
 ) -> None:
@@ -235,14 +250,7 @@ async def test_a_claim_taken_over_while_the_statement_waits_for_its_lock_is_not_
         await tx.start()
         await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
         fused = asyncio.create_task(fused_statement(store, todo, rows(todo)))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while not await db.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND datname = current_database() AND pid <> $1", other.get_server_pid()):
-            assert loop.time() < deadline, "the fused statement never waited for r2's lock"
-            assert not fused.done(), "the fused statement did not wait for r2's lock"
-            await asyncio.sleep(0.05)
+        await waiting_for_a_lock(db, other, fused)
         await other.execute(TAKE_OVER, "r2", uuid.uuid4())
         await tx.commit()
         res = await asyncio.wait_for(fused, 30)
@@ -352,13 +360,7 @@ async def test_a_connection_lost_in_the_fused_statement_is_an_outage(
         await tx.start()
         await other.execute("SELECT 1 FROM modifications WHERE request_id = 'r2' FOR UPDATE")
         fused = asyncio.create_task(fused_statement(store, todo, rows(todo)))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while not (pid := await db.fetchval(
-            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND datname = current_database() AND pid <> $1", other.get_server_pid())):
-            assert loop.time() < deadline and not fused.done()
-            await asyncio.sleep(0.05)
+        pid = await waiting_for_a_lock(db, other, fused)
         await db.execute("SELECT pg_terminate_backend($1)", pid)
         with pytest.raises(DatabaseUnavailable):
             await asyncio.wait_for(fused, 30)
