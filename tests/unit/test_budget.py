@@ -21,6 +21,16 @@ from tests.unit.test_payloads import FakeS3, Note, doc, note_registry, pointer_b
 from tests.unit.test_worker import settings, until
 
 
+async def drain(w: Any, queue: Any) -> None:
+    """Runs the worker until the queue is empty, then stops it: it exits 0."""
+    task = asyncio.create_task(w.run())
+    try:
+        await until(lambda: not queue.messages, "drained")
+    finally:
+        w.request_stop()
+        assert await asyncio.wait_for(task, 20) == 0
+
+
 async def test_take_waits_for_room_first_come_first_served() -> None:
     b = MemoryBudget(100)
     a, c, d = object(), object(), object()
@@ -86,12 +96,7 @@ async def test_payloads_beyond_the_budget_are_applied_in_rounds_within_it() -> N
         s3.put(f"k{i}", doc(f"r{i}")[:-2] + f', "pad": "{pad}"}}}}'.encode())
     for i in range(10):
         queue.send(pointer_body(f"k{i}"))
-    task = asyncio.create_task(w.run())
-    try:
-        await until(lambda: not queue.messages, "drained")
-    finally:
-        w.request_stop()
-        assert await asyncio.wait_for(task, 20) == 0
+    await drain(w, queue)
     assert {r: store.rows[r].status for r in store.rows} == {
         f"r{i}": "COMPLETED" for i in range(10)}
     assert w.budget.peak <= 12_000 and w.budget.used == 0
@@ -152,12 +157,7 @@ async def test_a_later_round_holds_back_the_group_of_a_head_that_failed() -> Non
         return {"n": p.n}
 
     w, queue, store, _ = fifo_rig(note)
-    task = asyncio.create_task(w.run())
-    try:
-        await until(lambda: not queue.messages, "drained")
-    finally:
-        w.request_stop()
-        assert await asyncio.wait_for(task, 20) == 0
+    await drain(w, queue)
     assert failed == ["head"]
     assert applied == ["head", "follower"]
     assert {r: store.rows[r].status for r in store.rows} == {
@@ -176,12 +176,7 @@ async def test_the_heartbeat_covers_a_later_round() -> None:
         return {"n": p.n}
 
     w, queue, _, _ = fifo_rig(note)
-    task = asyncio.create_task(w.run())
-    try:
-        await until(lambda: not queue.messages, "drained")
-    finally:
-        w.request_stop()
-        assert await asyncio.wait_for(task, 20) == 0
+    await drain(w, queue)
     assert covered == {"head": True, "follower": True}
 
 
