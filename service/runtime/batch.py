@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import structlog
 
@@ -221,13 +220,11 @@ class BatchProcessor:
 
     async def _apply(self, to_apply: list[Message], bisecting: bool) -> Plan:
         with tracing.step("commit", to_apply):
-            # The reference handlers alone: the store may apply it in one statement. The
-            # keywords only then: a store (or a test's) written before them still works.
+            # The reference handlers alone: the store may apply it in one statement.
             rows = None if bisecting else self._entity_rows(to_apply)
-            fused: dict[str, Any] = {} if rows is None else {
-                "entity_rows": rows, "time_limit": self.invoker.timeout}
             res = await self.store.apply(
-                to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching, **fused
+                to_apply, self.invoker.one, fifo=self.fifo, batch=self.invoker.batching,
+                entity_rows=rows, time_limit=self.invoker.timeout,
             )
         plan = settle(res, self.policy)
         if res.blocked:
