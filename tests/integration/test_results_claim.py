@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from service.adapters.store import Q, Store, create_pool
-from service.core.seams import OutboxRow
+from service.core.seams import OutboxRow, Sent
 from tests.contract.test_store_contract import PUBLISHER_LOCK_TIMEOUT_MS, beside_a_holder
 
 
@@ -136,3 +136,30 @@ async def test_a_groups_results_leave_in_batch_order_whatever_the_join(
         assert sent == [m.request_id for m in batch]
     finally:
         await pool.close()
+
+
+async def test_a_row_refused_for_good_is_marked_and_never_claimed_again(
+    pool: asyncpg.Pool,
+) -> None:
+    """The destination accepts r1 and refuses r2 for good (a ``Sent`` saying so): r1 is
+    published, r2 marked refused with what the destination said and counted as settled, and
+    the next claim takes neither — the rows behind r2 are not held by it (on PostgreSQL, the
+    store-side half of tests/integration/test_results_refused.py)."""
+    store = Store(pool, "w-a", results=True)
+    ids = {r["request_id"]: r["id"] for r in await pool.fetch("SELECT id, request_id FROM outbox")}
+    claimed: list[list[str]] = []
+
+    async def send(rows: list[OutboxRow]) -> set[int]:
+        claimed.append(sorted(r.request_id for r in rows))
+        return Sent({ids["r1"]} & {r.id for r in rows},
+                    refused={ids["r2"]: "InvalidMessageContents: bad"} if any(
+                        r.id == ids["r2"] for r in rows) else None)
+
+    assert await store.publish_outbox(send, 2, False) == (2, 2)
+    rows = {r["request_id"]: (r["published_at"] is not None, r["refused_at"] is not None,
+                              r["refused_reason"])
+            for r in await pool.fetch("SELECT * FROM outbox WHERE request_id IN ('r1', 'r2')")}
+    assert rows == {"r1": (True, False, None),
+                    "r2": (False, True, "InvalidMessageContents: bad")}
+    assert await store.publish_outbox(send, 10, False) == (3, 0)
+    assert claimed == [["r1", "r2"], ["r3", "r4", "r5"]]
