@@ -640,7 +640,7 @@ async def test_batch_form_edge_cases(pool: asyncpg.Pool, db: asyncpg.Connection)
             behaviour["deadlocked"] = True
             raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
         if mode == "gone":  # the server ends the session: the next statement finds it gone
-            assert await db.fetchval("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+            assert await db.fetchval("SELECT pg_terminate_backend($1, 30000)", conn.get_server_pid())
             await conn.execute("SELECT 1")
         for m in ms:
             await ok_handler(m, conn)
@@ -1004,7 +1004,7 @@ async def test_a_session_the_server_ended_in_a_handler_is_an_outage(
     a = await registered(pool, "w-a")
 
     async def ended(m: Message, conn: asyncpg.Connection) -> None:
-        assert await db.fetchval("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+        assert await db.fetchval("SELECT pg_terminate_backend($1, 30000)", conn.get_server_pid())
         try:
             await conn.execute("SELECT 1")
         except asyncpg.PostgresError as exc:

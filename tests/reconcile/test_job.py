@@ -462,7 +462,11 @@ async def _lock_holders(dsn: str, *, terminate: bool) -> int:
             io.RECONCILE_LOCK_KEY,
         )
         for row in pids if terminate else []:
-            await conn.execute("SELECT pg_terminate_backend($1)", row["pid"])
+            # With a timeout, pg_terminate_backend waits for the backend to exit, so its
+            # advisory lock is free when this returns (without one it only sends the
+            # signal, and a rival's pg_try_advisory_lock can still find the lock held).
+            assert await conn.fetchval(
+                "SELECT pg_terminate_backend($1, 30000)", row["pid"])
         return len(pids)
     finally:
         await conn.close()
