@@ -8,7 +8,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -162,11 +163,11 @@ class PgOutbox:
                 return 0, 0
             sent = await send(rows)
             if sent:
-                await conn.execute(Q["outbox_mark_published"], sorted(sent))
+                await conn.execute(Q["outbox_mark_published"], _texts(sorted(sent)))
             refused = refused_of(sent)
             if refused:
                 ids = sorted(refused)
-                await conn.execute(Q["outbox_mark_refused"], ids,
+                await conn.execute(Q["outbox_mark_refused"], _texts(ids),
                                    [storable(refused[i]) for i in ids])
             return len(rows), len(sent) + len(refused)
 
@@ -370,7 +371,7 @@ async def apply_entities(
             done = await conn.fetch(
                 Q["apply_entities"],
                 [m.request_id for m in messages], [m.claim_token for m in messages],
-                [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                [r[0] for r in rows], _texts(r[1] for r in rows), _texts(r[2] for r in rows),
                 [r[3] for r in rows], owner, retried, results,
                 [m.raw.group_id for m in messages], timeout=time_limit)
         except Exception as exc:
@@ -429,7 +430,7 @@ async def claim(
         [orjson.dumps(m.payload_json).decode() for m in ordered],
         [m.payload_sha256 for m in ordered],
         [m.raw.message_id for m in ordered],
-        [m.sent_at for m in ordered],
+        [_utc_text(m.sent_at) for m in ordered],
         owner,
         [m.attributes_json for m in ordered],
         [m.pointer.uri if m.pointer is not None else None for m in ordered],
@@ -446,6 +447,18 @@ async def claim(
         )
         for r in rows
     }
+
+
+def _texts(values: Iterable[object]) -> list[str | None]:
+    """A text[] parameter of values the statement casts back (the numbers, the booleans):
+    text[] is the one array type asyncpg needs no catalog look-up for (sql/queries.sql)."""
+    return [None if v is None else str(v) for v in values]
+
+
+def _utc_text(at: datetime | None) -> str | None:
+    """A timestamptz as text with its offset — a naive one read as local time, as
+    asyncpg's own encoder reads it."""
+    return None if at is None else at.astimezone(UTC).isoformat()
 
 
 def _sequence(m: Message) -> str | None:
@@ -635,6 +648,6 @@ def _dead_letter_args(letters: Sequence[DeadLetter]) -> list[list[Any]]:
         [d.error for d in letters],
         [d.request_id for d in letters],
         [d.request_type for d in letters],
-        [d.receive_count for d in letters],
+        _texts(d.receive_count for d in letters),
         [d.group_id for d in letters],
     ]

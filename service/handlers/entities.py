@@ -59,7 +59,7 @@ _UPSERT_MANY = """
 WITH up AS (
 INSERT INTO entities AS e (entity_id, version, deleted, data, request_id, updated_at)
 SELECT entity_id, version, deleted, data::jsonb, request_id, now()
-  FROM unnest($1::text[], $2::bigint[], $3::boolean[], $4::text[], $5::text[])
+  FROM unnest($1::text[], $2::text[]::bigint[], $3::text[]::boolean[], $4::text[], $5::text[])
     AS t(entity_id, version, deleted, data, request_id)
  ORDER BY entity_id  -- one lock order for every replica: no deadlock between batches
 ON CONFLICT (entity_id) DO UPDATE
@@ -86,8 +86,8 @@ async def entities_many(
         applied = set(await conn.fetchval(
             _UPSERT_MANY,
             [p.entity_id for _, p in todo],
-            [p.version for _, p in todo],
-            [isinstance(p, EntityDelete) for _, p in todo],
+            [str(p.version) for _, p in todo],  # text[]: see service/adapters/sql/queries.sql
+            [str(isinstance(p, EntityDelete)) for _, p in todo],
             [orjson.dumps(p.data).decode() if isinstance(p, EntityUpsert) else None
              for _, p in todo],
             [rid for rid, _ in todo],

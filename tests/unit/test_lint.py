@@ -68,3 +68,24 @@ def test_functions_and_classes_stay_small() -> None:
     methods; the message names each offender."""
     offenders = size_offenders(ROOT / "service")
     assert not offenders, "\n".join(offenders.values())
+
+
+def test_array_parameters_are_text_arrays() -> None:
+    """Every array parameter of service/'s statements is declared text[] (and cast to the
+    type meant, as ``$6::text[]::timestamptz[]``): asyncpg encodes text[] by itself, but
+    looks any other array type up in the catalog the first time each connection uses it —
+    3 or 4 round trips per type on every new connection (tests/integration/
+    test_round_trips.py counts them)."""
+    import re
+
+    typed = re.compile(r"\$\d+::(\w+)\s*\[\]")
+    bare = re.compile(r"ANY\s*\(\s*\$\d+\s*\)", re.IGNORECASE)
+    found = []
+    for path in sorted((ROOT / "service").rglob("*")):
+        if path.suffix not in (".py", ".sql"):
+            continue
+        text = path.read_text()
+        found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in typed.finditer(text)
+                  if m.group(1) != "text"]
+        found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in bare.finditer(text)]
+    assert not found, found

@@ -1,4 +1,9 @@
 -- Named statements of the store. Each block starts with "-- name: <name>".
+--
+-- Array parameters are text[] — cast here to the type meant ($6::text[]::timestamptz[]):
+-- asyncpg encodes text[] by itself, but looks any other array type up in the catalog the
+-- first time each connection uses it (a JIT toggle around a query: 3 or 4 round trips per
+-- type per connection). tests/unit/test_lint.py keeps it so.
 
 -- name: claim
 -- One statement per batch. Input is sorted by request_id so two workers claiming
@@ -16,8 +21,8 @@
 -- A live owner's claim is never taken (SPEC §2.6), nor one a completing transaction holds
 -- locked (SKIP LOCKED: that owner is alive after all; nothing here ever waits).
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[],
-                         $8::text[], $9::text[], $10::text[], $11::numeric[], $12::uuid[])
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]::timestamptz[],
+                         $8::text[], $9::text[], $10::text[], $11::text[]::numeric[], $12::text[]::uuid[])
         AS t(request_id, request_type, payload, payload_sha256, sqs_message_id, sent_at,
              message_attributes, payload_pointer, group_id, sequence_number, claim_token)
 ), stale AS (
@@ -169,7 +174,7 @@ SELECT request_id, set_config('sqs_ingest.completing', 'on', true) FROM done
 -- (its version was newer), as the handler's result {"applied": ...}. $8: the requests with
 -- earlier failures (their retry_attempts go, as clear_attempts). No session state is left.
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::boolean[],
+    SELECT * FROM unnest($1::text[], $2::text[]::uuid[], $3::text[], $4::text[]::bigint[], $5::text[]::boolean[],
                          $6::text[], $10::text[])
         WITH ORDINALITY AS t(request_id, claim_token, entity_id, version, deleted, data,
                              group_id, n)
@@ -216,7 +221,7 @@ DELETE FROM retry_attempts WHERE request_id = ANY($1::text[])
 -- another batch of the same worker made for a redelivery of the same SQS message (same
 -- MessageId), nor a later claim of the same request when the release comes late.
 DELETE FROM modifications m
- USING unnest($1::text[], $3::uuid[]) AS u(request_id, claim_token)
+ USING unnest($1::text[], $3::text[]::uuid[]) AS u(request_id, claim_token)
  WHERE m.request_id = u.request_id AND m.claim_token = u.claim_token
    AND m.owner = $2 AND m.status = 'IN_PROGRESS'
 RETURNING m.request_id
@@ -233,7 +238,7 @@ RETURNING request_id, failures
 -- messages take their unique-index entries in the same order, never a deadlock.
 INSERT INTO dead_letters
     (sqs_message_id, body, reason, error, request_id, request_type, receive_count, group_id)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[],
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[]::int[],
                      $8::text[])
  ORDER BY 1
 ON CONFLICT (sqs_message_id) DO NOTHING
@@ -246,7 +251,7 @@ ON CONFLICT (sqs_message_id) DO NOTHING
 WITH ins AS (
     INSERT INTO dead_letters
         (sqs_message_id, body, reason, error, request_id, request_type, receive_count, group_id)
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int[],
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[]::int[],
                          $8::text[])
      ORDER BY 1
     ON CONFLICT (sqs_message_id) DO NOTHING
@@ -287,12 +292,12 @@ SELECT * FROM c
  ORDER BY id
 
 -- name: outbox_mark_published
-UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])
+UPDATE outbox SET published_at = now() WHERE id = ANY($1::text[]::bigint[])
 
 -- name: outbox_mark_refused
 -- Entries the destination refused for good (SenderFault): $1 ids, $2 what it said of each.
 UPDATE outbox o SET refused_at = now(), refused_reason = r.reason
-  FROM unnest($1::bigint[], $2::text[]) AS r(id, reason)
+  FROM unnest($1::text[]::bigint[], $2::text[]) AS r(id, reason)
  WHERE o.id = r.id
 
 -- name: outbox_stats
@@ -420,7 +425,7 @@ SELECT id, sqs_message_id, body, reason, error, request_id, request_type, receiv
 SELECT max(id) FROM dead_letters
 
 -- name: dlq_mark_replayed
-UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::bigint[]) RETURNING id
+UPDATE dead_letters SET replayed_at = now() WHERE id = ANY($1::text[]::bigint[]) RETURNING id
 
 -- Retention (service/adapters/prune.py). Each statement deletes one short batch — the oldest $2
 -- rows past the cutoff ($1 seconds before now), by the index migration 004 made for it —

@@ -134,7 +134,7 @@ async def replay_one(conn: asyncpg.Connection, letter_id: int, send: Send) -> Le
             await send(letter)
         except (ClientError, BotoCoreError, OSError) as exc:
             raise SendFailed(letter, exc, []) from exc
-        await conn.execute(Q["dlq_mark_replayed"], [letter.id])
+        await conn.execute(Q["dlq_mark_replayed"], [str(letter.id)])  # text[]: sql/queries.sql
     return letter
 
 
@@ -165,7 +165,7 @@ async def replay_batch(
                 break
             sent.append(letter)
         if sent:
-            await conn.execute(Q["dlq_mark_replayed"], [x.id for x in sent])
+            await conn.execute(Q["dlq_mark_replayed"], [str(x.id) for x in sent])
     if failure is not None:
         raise SendFailed(failure[0], failure[1], sent) from failure[1]
     return sent
