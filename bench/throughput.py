@@ -362,6 +362,13 @@ def postmaster_pid(datadir: str) -> int | None:
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)')
 
 
+def _gc_collections(metrics: dict[tuple[str, str], float]) -> list[float]:
+    """python_gc_collections_total of generations 0, 1, 2."""
+    return [sum(v for (k, labels), v in metrics.items()
+                if k == "python_gc_collections_total" and f'generation="{g}"' in labels)
+            for g in range(3)]
+
+
 def scrape(port: int) -> dict[tuple[str, str], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -987,6 +994,7 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
                      str(proc.pid), "--rate", "200", "--gil", "--nonblocking", "--format", "raw",
                      "-o", str(profile_path)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            gc_before = _gc_collections(scrape(port))
             counter = CountPoller(dsn, since)
             if during is not None:
                 during(res)
@@ -1028,6 +1036,10 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
                 "postgres_cpu_us_per_msg": (s.at(last, "postgres_cpu")
                                             - s.at(first, "postgres_cpu")) / done * 1e6,
                 "lag_p50": quantile(lag, 0.5), "lag_p99": quantile(lag, 0.99),
+                # from /healthz to the end of the drain: the cyclic collector's runs
+                "gc_collections_per_1000": [
+                    (a - b) / done * 1000
+                    for a, b in zip(_gc_collections(metrics), gc_before, strict=True)],
             })
         if results_out is not None and not soak:
             res.update(outbox_window(dsn, first))
@@ -1419,6 +1431,10 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"daemon CPU/msg = {d['cpu_us_per_msg']:.0f} us   (target <= 250); "
                      f"LocalStack {d['localstack_cpu_us_per_msg']:.0f} us, "
                      f"PostgreSQL {d['postgres_cpu_us_per_msg']:.0f} us")
+        if d.get("gc_collections_per_1000"):
+            lines.append("daemon GC collections per 1,000 messages = "
+                         + " / ".join(f"{x:.1f}" for x in d["gc_collections_per_1000"])
+                         + "  (generations 0 / 1 / 2)")
         lines.append(f"daemon peak RSS (VmHWM) = {d['peak_rss_mb']:.1f} MB   (target <= 120)")
         lines.append(f"message_lag_seconds p50 = {fmt(d['lag_p50'], '.2f')} s, "
                      f"p99 = {fmt(d['lag_p99'], '.2f')} s  (preloaded backlog: time in queue)")

@@ -171,7 +171,9 @@ def metrics_page() -> str:
     return (HEADER + "# Metrics\n\n"
             "Served as Prometheus text on `GET /metrics` (port `INGEST_HTTP_PORT`). Every "
             "labelled series exists at 0 from start-up with every label value the code can "
-            "count. The process collector adds `process_*` (CPU, memory, start time).\n\n"
+            "count. The process collector adds `process_*` (CPU, memory, start time), the "
+            "platform collector `python_info`, the GC collector `python_gc_*` (the cyclic "
+            "collector's runs and objects by generation).\n\n"
             "| metric | type | labels | help |\n| --- | --- | --- | --- |\n"
             + "\n".join(rows) + "\n")
 

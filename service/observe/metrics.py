@@ -10,6 +10,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     Info,
     PlatformCollector,
@@ -24,6 +25,8 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 # process_start_time_seconds etc.: restarts (exit 3 after an ack failure) are alertable.
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
+# python_gc_collections_total{generation}: the collector's work (service.app.GC_THRESHOLD).
+GCCollector(registry=REGISTRY)
 P = "sqs_ingest_"
 
 messages_received = Counter(
