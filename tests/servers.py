@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +28,51 @@ from service.testing.kit import (  # noqa: F401  (re-exported to the suites)
     Postgres,
     _pg_bin,
     _run_as_postgres,
-    free_port,
     postgres_server,
 )
+from service.testing.kit import free_port as kernel_port
+
+#: Ports this process handed out: never handed out again (a server may still be starting).
+_handed_out: set[int] = set()
+_rng = random.Random()  # its own: a test seeding ``random`` must not make ports repeat
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, for a server the test starts next.
+
+    Not the kernel's pick (``bind`` to port 0): that is a random port of the ephemeral range,
+    and a port handed out but not bound yet (a daemon still importing, or restarting after
+    kill -9) can be the kernel's pick again — for this process or the other xdist worker —
+    and the second server to bind it fails to start. Here: a port below the ephemeral range
+    (neither ``bind`` to 0 nor ``connect`` takes those), from this xdist worker's own slice,
+    never the same one twice in a process."""
+    first, top = 10000, _ephemeral_range()[0]
+    if top - first < 2000:  # no room below the ephemeral range: the kernel's pick
+        return int(kernel_port())
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = (top - first) // workers
+    start = first + (int(worker) % workers if worker.isdigit() else 0) * size
+    for _ in range(1000):
+        port = _rng.randrange(start, start + size)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # someone else's
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {start}..{start + size - 1}")
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):

@@ -375,6 +375,24 @@ def wait_drained(sqs: Any, queue_url: str, daemons: list[Daemon], timeout: float
     wait_until(drained, timeout, "queue drained", interval=0.3)
 
 
+def counted(d: Daemon, at_least: dict[str, float], timeout: float = 30) -> dict[str, float]:
+    """``sqs_ingest_messages_processed_total`` by outcome, once each outcome in ``at_least``
+    has reached its count (bounded). A batch's outcomes are counted after its delete
+    returns, so a queue already seen drained can still have its last batches uncounted."""
+    def read() -> dict[str, float]:
+        return {o: d.metric("sqs_ingest_messages_processed_total", outcome=o)
+                for o in at_least}
+
+    def reached() -> dict[str, float] | None:
+        got = read()
+        return got if all(got[o] >= n for o, n in at_least.items()) else None
+
+    try:
+        return wait_until(reached, timeout, "outcomes counted")
+    except TimeoutError:
+        raise AssertionError(f"outcomes {read()}, expected at least {at_least}") from None
+
+
 def daemon_env(dsn: str, queue_url: str, endpoint: str, **extra: str) -> dict[str, str]:
     return {
         "INGEST_DATABASE_URL": dsn, "INGEST_QUEUE_URL": queue_url,

@@ -60,7 +60,7 @@ async def test_sigterm_mid_batch_finishes_and_acks_then_exits_0(
     wait_until(lambda: invocations(tmp_path), 30, "handler started")
     d.signal(signal.SIGTERM)
     # A 503 from the live process (Daemon.get raises on a closed port, which proves nothing).
-    wait_until(lambda: d.get("/readyz")[0] == 503, 10, "not ready while draining")
+    wait_until(lambda: d.get("/readyz")[0] == 503, 30, "not ready while draining")
     started = time.monotonic()
     assert d.wait(25) == 0, d.logs()
     assert time.monotonic() - started < 22  # within the shutdown timeout (+ poll return)

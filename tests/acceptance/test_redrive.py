@@ -127,7 +127,7 @@ async def test_always_failing_message_ends_in_dead_letters_not_in_the_sqs_dlq(
     [row] = await fetch(database_url, "SELECT body, reason, receive_count FROM dead_letters")
     assert (row["body"], row["reason"]) == (failing, "max_receives_exceeded")
     assert row["receive_count"] == MAX_RECEIVE_COUNT  # on its last receive, not before
-    wait_until(lambda: depth(sqs, src) == 0, 10, "acked")
+    wait_until(lambda: depth(sqs, src) == 0, 30, "acked")
     lowered = [e for e in d.full_logs().splitlines()
                if "receive_limit_lowered_by_redrive_policy" in e]
     assert len(lowered) == 1, lowered  # said once, not with every GetQueueAttributes

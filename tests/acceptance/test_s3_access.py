@@ -37,6 +37,7 @@ from tests.acceptance.test_extended_clients import (
     wait_for,
 )
 from tests.faultproxy import FaultProxy
+from tests.servers import wait_until
 
 
 class S3Gate(FaultProxy):
@@ -159,6 +160,10 @@ async def test_an_object_s3_keeps_refusing_is_dead_lettered_after_the_bound_then
             assert "INGEST_S3_UNREADABLE_AFTER" in row["error"]
             # Refused across receives near maxReceiveCount (2): carried by fresh copies.
             assert d.metric("sqs_ingest_requeued_total") >= 1, d.logs()
+            # Counted after the letter's commit, which the wait above saw: wait for it too.
+            wait_until(lambda: d.metric("sqs_ingest_dead_letters_total",
+                                        reason="payload_unreadable") >= 1, 30,
+                       "the dead letter counted")
             assert d.metric("sqs_ingest_dead_letters_total", reason="payload_unreadable") == 1
             assert await conn.fetchval(
                 "SELECT count(*) FROM entities WHERE entity_id = 'e-denied'") == 0

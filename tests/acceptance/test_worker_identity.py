@@ -90,6 +90,10 @@ async def test_an_ecs_task_restarted_in_place_releases_its_claims_at_start(
     names = {r["worker_name"] for r in await fetch(database_url,
                                                     "SELECT worker_name FROM workers")}
     assert names == {f"{TASK_ARN}/sqs-ingest"}
-    released = [line for line in d.full_logs().splitlines()
-                if '"orphan_released"' in line and "slow-1" in line]
-    assert released, d.logs()
+    # Logged after the release has committed (and the GC's next statement): wait for it.
+    try:
+        wait_until(lambda: [line for line in d.full_logs().splitlines()
+                            if '"orphan_released"' in line and "slow-1" in line],
+                   30, "orphan_released logged")
+    except TimeoutError:
+        raise AssertionError(d.logs()) from None

@@ -77,7 +77,7 @@ async def test_services_start_from_a_checkout_postgres_cannot_enter(tmp_path: Pa
         stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True,
                                  timeout=60)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    wait_until(lambda: not _moto_up(endpoint), 10, "moto stopped by services.sh stop")
+    wait_until(lambda: not _moto_up(endpoint), 30, "moto stopped by services.sh stop")
     pg_isready = subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", env["PG_PORT"]])
     assert pg_isready.returncode != 0, "services.sh stop left PostgreSQL running"
     digest = subprocess.run(["sha256sum"], input=str(checkout), capture_output=True,

@@ -28,14 +28,14 @@ def test_sqs_moves_a_message_to_the_dlq_after_max_receive_count(localstack: str)
     sqs.send_message(QueueUrl=src, MessageBody="x")
     for _ in range(2):
         wait_until(lambda: sqs.receive_message(QueueUrl=src, WaitTimeSeconds=1).get("Messages"),
-                   10, "a receive")
+                   30, "a receive")
 
     def in_dlq() -> bool:
         sqs.receive_message(QueueUrl=src, WaitTimeSeconds=0)  # the third receive moves it
         got = sqs.receive_message(QueueUrl=dlq, WaitTimeSeconds=0).get("Messages", [])
         return bool(got) and got[0]["Body"] == "x"
 
-    wait_until(in_dlq, 10, "the message in the DLQ")
+    wait_until(in_dlq, 30, "the message in the DLQ")
 
 
 def test_sns_delivers_to_sqs_and_s3_stores_objects(localstack: str) -> None:

@@ -287,7 +287,7 @@ async def test_readyz_503_while_draining_then_exit_0(
             status, body = d.get("/readyz")
             return status == 503 and json.loads(body).get("draining") is True
 
-        wait_until(draining, 10, "/readyz 503 draining")
+        wait_until(draining, 30, "/readyz 503 draining")
         assert d.get("/healthz")[0] == 200
         assert not d.exited()
         (gate / "release").touch()

@@ -273,17 +273,17 @@ async def test_claim_waits_at_most_for_the_batch_in_flight(
         await tx.start()
         assert (await delete_batch(pruner, MODS, s, 1000))["modifications"] == 10
         # A claim of other requests does not wait for the batch at all.
-        fresh = await asyncio.wait_for(store.claim([msg("new-1")]), 5)
+        fresh = await asyncio.wait_for(store.claim([msg("new-1")]), 30)
         assert fresh["new-1"].claimed
         # A claim of a request the batch is deleting waits for that batch, and only it.
         task = asyncio.create_task(store.claim([msg("old-3")]))
         pids = await eventually(lambda: db.fetch(
             # The claim statement's opening (pg_stat_activity keeps its first 1 kB only).
             "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE 'WITH input AS%'"), "the claim waiting on the batch", 10)
+            " AND query LIKE 'WITH input AS%'"), "the claim waiting on the batch", 30)
         assert len(pids) == 1 and not task.done()
         await tx.commit()
-        got = await asyncio.wait_for(task, 5)
+        got = await asyncio.wait_for(task, 30)
         assert got["old-3"].claimed  # pruned: past the window, a new request
     finally:
         await pruner.close()
@@ -575,15 +575,15 @@ async def test_a_refusal_waits_at_most_for_the_batch_in_flight(
         await tx.start()
         assert await delete_batch(pruner, REFUSALS, settings(database_url), 1000) == {
             "payload_refusals": 3}
-        other = await asyncio.wait_for(store.note_refusals({"s3://b/new": "AccessDenied"}), 5)
+        other = await asyncio.wait_for(store.note_refusals({"s3://b/new": "AccessDenied"}), 30)
         assert other["s3://b/new"] < 60
         task = asyncio.create_task(store.note_refusals({"s3://b/old-3": "AccessDenied"}))
         await eventually(lambda: db.fetch(
             "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%INSERT INTO payload_refusals%'"), "the refusal waiting", 10)
+            " AND query LIKE '%INSERT INTO payload_refusals%'"), "the refusal waiting", 30)
         assert not task.done()
         await tx.commit()
-        got = await asyncio.wait_for(task, 5)
+        got = await asyncio.wait_for(task, 30)
         assert got["s3://b/old-3"] < 60  # a new row: counted from now, not 40 days ago
     finally:
         await pruner.close()

@@ -137,7 +137,7 @@ def test_sidecar_serves_metrics_and_stops_on_sigterm(database_url: str) -> None:
         body = wait_until(scrape, 30, "sidecar /metrics")
         assert b'sqs_ingest_reconcile_runs_total{outcome="clean"} 0.0' in body
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

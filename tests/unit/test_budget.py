@@ -39,7 +39,7 @@ async def test_take_waits_for_room_first_come_first_served() -> None:
     await asyncio.sleep(0)
     assert not first.done() and not b.try_take(10, d)  # a waiter goes first
     b.give(30, a)
-    await asyncio.wait_for(first, 1)
+    await asyncio.wait_for(first, 30)
     assert (b.used, b.holds(a), b.holds(c)) == (80, 30, 50)
 
 
@@ -52,10 +52,10 @@ async def test_when_every_holder_waits_the_first_waiter_is_let_in() -> None:
     assert b.try_take(45, a) and b.try_take(45, c)
     wa = asyncio.ensure_future(b.take(40, a))
     wc = asyncio.ensure_future(b.take(40, c))
-    await asyncio.wait_for(wa, 1)
+    await asyncio.wait_for(wa, 30)
     assert not wc.done()
     b.give_all(a)
-    await asyncio.wait_for(wc, 1)
+    await asyncio.wait_for(wc, 30)
     assert b.used == 85
 
 
