@@ -24,6 +24,8 @@ from service.handlers import batch_handler, current_request_id, handler
 
 class Slow(BaseModel):
     seconds: float
+    #: a file in $CHAOS_DIR: the handler returns as soon as it exists (at most ``seconds``)
+    until: str | None = None
 
 
 class Flaky(BaseModel):
@@ -49,7 +51,13 @@ async def _effect(conn: asyncpg.Connection) -> None:
 @handler("chaos.slow", Slow)
 async def slow(p: Slow, conn: asyncpg.Connection) -> dict[str, float]:
     _record()
-    await asyncio.sleep(p.seconds)
+    if p.until is None:
+        await asyncio.sleep(p.seconds)
+    else:
+        gate = Path(os.environ["CHAOS_DIR"]) / p.until
+        deadline = asyncio.get_running_loop().time() + p.seconds
+        while not gate.exists() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
     await _effect(conn)
     return {"slept": p.seconds}
 

@@ -56,11 +56,15 @@ async def test_sigterm_mid_batch_finishes_and_acks_then_exits_0(
     d = Daemon(env_for(effects_db, queue_url, sqs_endpoint, tmp_path,
                        INGEST_SHUTDOWN_TIMEOUT="20"), tmp_path).start()
     d.wait_ready()
-    sqs_client.send_message(QueueUrl=queue_url, MessageBody=body("slow-1", "chaos.slow", seconds=3))
+    # The handler runs until the test has seen the 503 (a file it waits for, 15 s at most):
+    # a fixed sleep could end, and the daemon exit, before a loaded machine's first probe.
+    sqs_client.send_message(QueueUrl=queue_url, MessageBody=body(
+        "slow-1", "chaos.slow", seconds=15, until="release"))
     wait_until(lambda: invocations(tmp_path), 30, "handler started")
     d.signal(signal.SIGTERM)
     # A 503 from the live process (Daemon.get raises on a closed port, which proves nothing).
     wait_until(lambda: d.get("/readyz")[0] == 503, 30, "not ready while draining")
+    (tmp_path / "release").touch()
     started = time.monotonic()
     assert d.wait(25) == 0, d.logs()
     assert time.monotonic() - started < 22  # within the shutdown timeout (+ poll return)
