@@ -9,7 +9,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -449,8 +449,8 @@ async def claim(
     }
 
 
-def _texts(values: Iterable[object]) -> list[str | None]:
-    """A text[] parameter of values the statement casts back (the numbers, the booleans):
+def _texts(values: Iterable[int | bool | None]) -> list[str | None]:
+    """A text[] parameter of values the statement casts back (numbers, booleans, NULL):
     text[] is the one array type asyncpg needs no catalog look-up for (sql/queries.sql)."""
     return [None if v is None else str(v) for v in values]
 
@@ -458,7 +458,7 @@ def _texts(values: Iterable[object]) -> list[str | None]:
 def _utc_text(at: datetime | None) -> str | None:
     """A timestamptz as text with its offset — a naive one read as local time, as
     asyncpg's own encoder reads it."""
-    return None if at is None else at.astimezone(UTC).isoformat()
+    return None if at is None else at.astimezone().isoformat()
 
 
 def _sequence(m: Message) -> str | None:

@@ -129,6 +129,19 @@ async def test_dead_letter_is_idempotent_and_byte_exact(pool: asyncpg.Pool, db: 
     assert (rows[0]["bytes"], rows[0]["n"]) == (body.encode(), len(body.encode()))
 
 
+async def test_a_dead_letter_keeps_its_receive_count_and_an_unknown_one_as_null(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """receive_count goes to the statement as text (sql/queries.sql): 7 stays 7, and a
+    letter without one (``DeadLetter.receive_count`` None) is NULL, not the text 'None'."""
+    a = await registered(pool, "w-a")
+    await a.dead_letter([DeadLetter("m-7", "{}", "invalid_json", "bad", None, None, 7),
+                         DeadLetter("m-0", "{}", "invalid_json", "bad", None, None, None)])
+    rows = await db.fetch("SELECT sqs_message_id, receive_count FROM dead_letters"
+                          " ORDER BY sqs_message_id")
+    assert [tuple(r) for r in rows] == [("m-0", None), ("m-7", 7)]
+
+
 async def test_two_sessions_claim_the_same_request_exactly_one_wins(database_url: str) -> None:
     await two_session_claim(database_url, claim)
 
