@@ -9,7 +9,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -456,9 +456,16 @@ def _texts(values: Iterable[int | bool | None]) -> list[str | None]:
 
 
 def _utc_text(at: datetime | None) -> str | None:
-    """A timestamptz as text with its offset — a naive one read as local time, as
-    asyncpg's own encoder reads it."""
-    return None if at is None else at.astimezone().isoformat()
+    """A timestamptz as text in UTC, as asyncpg's own encoder sends it: ``datetime.max``
+    and ``datetime.min`` (whatever their tzinfo) as infinity/-infinity, a naive value read
+    as local time."""
+    if at is None:
+        return None
+    if at.replace(tzinfo=None) == datetime.max:
+        return "infinity"
+    if at.replace(tzinfo=None) == datetime.min:
+        return "-infinity"
+    return at.astimezone(UTC).isoformat()
 
 
 def _sequence(m: Message) -> str | None:

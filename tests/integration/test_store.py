@@ -142,6 +142,31 @@ async def test_a_dead_letter_keeps_its_receive_count_and_an_unknown_one_as_null(
     assert [tuple(r) for r in rows] == [("m-0", None), ("m-7", 7)]
 
 
+async def test_sent_at_is_stored_as_the_drivers_own_encoding_stores_it(
+    pool: asyncpg.Pool, db: asyncpg.Connection
+) -> None:
+    """sent_at goes to the claim as text (sql/queries.sql), in UTC: the calendar's extremes
+    are stored as asyncpg's timestamptz encoding stores them (naive min/max as -infinity/
+    infinity, an aware year 1 too), not refused by the conversion."""
+    import datetime as dt
+
+    a = await registered(pool, "w-a")
+    at = {"lo": dt.datetime.min, "hi": dt.datetime.max,
+          "y1": dt.datetime(1, 1, 1, tzinfo=dt.UTC),
+          "now": dt.datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=dt.UTC)}
+    batch = []
+    for rid, sent_at in at.items():
+        m = msg(rid)
+        m.sent_at = sent_at
+        batch.append(m)
+    await a.claim(batch)
+    rows = {r["request_id"]: r["t"] for r in await db.fetch(
+        "SELECT request_id, sent_at::text AS t FROM modifications")}
+    expected = {rid: await db.fetchval("SELECT $1::timestamptz::text", v) for rid, v in at.items()}
+    assert rows == expected
+    assert (rows["lo"], rows["hi"]) == ("-infinity", "infinity")
+
+
 async def test_two_sessions_claim_the_same_request_exactly_one_wins(database_url: str) -> None:
     await two_session_claim(database_url, claim)
 
