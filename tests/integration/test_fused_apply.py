@@ -523,3 +523,69 @@ async def test_a_statement_past_the_handlers_time_limit_falls_back(
     assert await outcome(db) == (
         ["r1", "r2", "r3"],
         [("r1", "COMPLETED", "w-a"), ("r2", "COMPLETED", "w-a"), ("r3", "COMPLETED", "w-a")])
+
+
+async def test_the_batch_bounds_the_fused_statement_by_the_handlers_time_limit(
+    database_url: str, db: asyncpg.Connection, paths: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``BatchProcessor`` gives the fused statement its handlers' time limit
+    (``handler_timeout``): waiting on an entity another transaction holds locked, the statement
+    is cancelled past it and falls back while the lock is still held — not after the pool's
+    command timeout. The attempt loop then completes the batch once the lock is gone."""
+    from service.core.retry import ReceiveLimit, RetryPolicy
+    from service.runtime.batch import BatchProcessor
+    from service.runtime.dbhealth import DatabaseHealth
+    from service.testing import FakeQueue
+
+    await db.execute("INSERT INTO entities (entity_id, version, data, request_id)"
+                     " VALUES ('e-r2', 0, '{}', 'seed')")
+    released = asyncio.Event()
+    attempts = completion.complete
+
+    async def after_the_lock(*args: Any, **kwargs: Any) -> Any:
+        await released.wait()  # the attempt loop's handlers must not meet the lock
+        return await attempts(*args, **kwargs)
+
+    monkeypatch.setattr(completion, "complete", after_the_lock)
+    pool = await create_pool(database_url, 2)
+    other = await asyncpg.connect(database_url)
+    try:
+        store = Store(pool, "w-a")
+        await store.register_worker("w-a")
+        queue = FakeQueue()
+        for m in three():
+            queue.send(json.dumps({"request_id": m.request_id, "type": m.type,
+                                   "payload": m.payload_json}))
+        received = await queue.receive(10, 0, 30)
+
+        async def _noop() -> None:
+            return None
+
+        fatal: list[Any] = []
+        processor = BatchProcessor(
+            queue, store, default_registry, RetryPolicy(),
+            DatabaseHealth(store, asyncio.Event(), _noop), fifo=False,
+            visibility_timeout=30, handler_timeout=0.5, fatal=lambda *a, **k: fatal.append(a),
+            limit=ReceiveLimit(RetryPolicy().max_failures))
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT 1 FROM entities WHERE entity_id = 'e-r2' FOR UPDATE")
+        running = asyncio.create_task(processor.run(received))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while paths["fell_back"] == 0:
+            assert loop.time() < deadline, "the fused statement outlived the handlers' limit"
+            assert not running.done(), running
+            await asyncio.sleep(0.05)
+        await tx.rollback()
+        released.set()
+        await asyncio.wait_for(running, 30)
+    finally:
+        await other.close()
+        await pool.close()
+    assert not fatal
+    assert paths == {"fused": 1, "fell_back": 1, "general": 1}
+    assert await db.fetchval(
+        "SELECT count(*) FROM modifications WHERE status = 'COMPLETED'") == 3
+    assert queue.messages == {}
