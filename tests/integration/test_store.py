@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import asyncpg
@@ -142,17 +142,36 @@ async def test_a_dead_letter_keeps_its_receive_count_and_an_unknown_one_as_null(
     assert [tuple(r) for r in rows] == [("m-0", None), ("m-7", 7)]
 
 
+@pytest.fixture(params=["UTC0", "EST+5"])
+def host_zone(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The process's local time zone (TZ), UTC or five hours west of it."""
+
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = request.param
+    time.tzset()
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = before
+        time.tzset()
+
+
 async def test_sent_at_is_stored_as_the_drivers_own_encoding_stores_it(
-    pool: asyncpg.Pool, db: asyncpg.Connection
+    pool: asyncpg.Pool, db: asyncpg.Connection, host_zone: str
 ) -> None:
     """sent_at goes to the claim as text (sql/queries.sql), in UTC: the calendar's extremes
     are stored as asyncpg's timestamptz encoding stores them (naive min/max as -infinity/
-    infinity, an aware year 1 too), not refused by the conversion."""
+    infinity, an aware year 1 too), not refused by the conversion — on a host west of UTC
+    too, where year 1 in the host's own zone would be year 0."""
     import datetime as dt
 
     a = await registered(pool, "w-a")
     at = {"lo": dt.datetime.min, "hi": dt.datetime.max,
           "y1": dt.datetime(1, 1, 1, tzinfo=dt.UTC),
+          "y1+1h": dt.datetime(1, 1, 1, 1, tzinfo=dt.UTC),
           "now": dt.datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=dt.UTC)}
     batch = []
     for rid, sent_at in at.items():
