@@ -323,17 +323,29 @@ class _Part:
     (flight and registry, as ``BatchProcessor._process``); the claim fails (DataRejected)
     if the part holds a ``refused`` message; else a ``handed_back`` message fails its
     handler and is handed back with that backoff (its FIFO group held back), then the part
-    fails (RuntimeError) if it holds a ``broken`` message, else the rest completes."""
+    fails (RuntimeError) if it holds a ``broken`` message, else the rest completes. A
+    ``deferred`` message (request_id → its n-th part) is left out of its n-th part and
+    returned for a later round, as the memory budget does."""
 
     def __init__(self, registry: Registry, claims: ClaimsRegistry, fifo: bool, *,
                  refused: AbstractSet[str] = frozenset(), broken: AbstractSet[str] = frozenset(),
-                 handed_back: dict[str, int] | None = None) -> None:
+                 handed_back: dict[str, int] | None = None,
+                 deferred: dict[str, int] | None = None) -> None:
         self.registry, self.claims, self.fifo = registry, claims, fifo
         self.refused, self.broken = refused, broken
         self.handed_back = handed_back or {}
+        self.deferred = deferred or {}
+        self.seen: dict[str, int] = {}
         self.calls: list[tuple[list[str], bool]] = []  # (request_ids, heartbeat running)
 
     async def __call__(self, flight: InFlight, part: list[Received]) -> list[Received]:
+        later = []
+        for r in part:
+            rid = r.message_id.removeprefix("m-")
+            self.seen[rid] = self.seen.get(rid, 0) + 1
+            if self.deferred.get(rid) == self.seen[rid]:
+                later.append(r)
+        part = [r for r in part if r not in later]
         messages = [parse(r, self.registry) for r in part]
         assert all(isinstance(m, Message) for m in messages)
         mine = [m for m in messages if isinstance(m, Message)]
@@ -353,7 +365,7 @@ class _Part:
         if ids & self.broken:  # e.g. a later round of the part (memory budget) fails
             raise RuntimeError("a failure outside any handler")
         flight.resolve(part)
-        return []
+        return later
 
 
 def _bisect(process: Any, fifo: bool = False, limit: ReceiveLimit | None = None,
@@ -437,6 +449,22 @@ async def test_a_failure_on_the_last_receive_sqs_allows_is_bisected_and_dead_let
     assert executor.letters == [("m-x", "processing_error")]
     assert process.calls[1:] == [(["r0"], True), (["x"], True)]  # the halves
     assert executor.visibility == [] and flight.unresolved == {}
+
+
+async def test_a_later_round_of_a_bisected_half_is_still_bisected(registry: Registry) -> None:
+    """A half of a bisection leaves x to a later round (the memory budget), where x fails
+    outside any handler on its first receive: that round is still the bisection's, so x,
+    alone, is handed back on its own — not raised out of the batch it came with."""
+    claims = ClaimsRegistry()
+    process = _Part(registry, claims, fifo=False, refused={"h"}, broken={"x"},
+                    deferred={"x": 2})
+    bisection, _, executor = _bisect(process)
+    batch = [_received(rid) for rid in ("a", "h", "b", "x")]
+    flight = await _settled(bisection, batch)
+    assert process.calls[-2:] == [(["b"], True), (["x"], True)]  # the half, its later round
+    assert executor.letters == [("m-h", "rejected_by_database")]
+    assert [mid for mid, _ in executor.visibility] == ["m-x"]
+    assert flight.unresolved == {}
 
 
 async def test_fifo_the_rest_of_a_part_runs_under_the_heartbeat_while_its_group_waits(
