@@ -23,6 +23,11 @@ take COSTS_SLOW_HANDLER seconds (default 3; bench/slow_handler.py) under a visib
 timeout of COSTS_SLOW_VT (default 4): every batch is extended while it runs, and the
 heartbeat's ChangeMessageVisibilityBatch requests are counted per message and per entry
 (``sqs_ingest_visibility_extensions_total``). COSTS_SLOW_SECONDS=0 skips it.
+
+With ``PEER=sqs-consumer``, the peer (bench/peer/peer.mjs: bbc/sqs-consumer, 8 consumers,
+one transaction per batch of 10) is counted the same way, through the same proxies, on
+the backlog and the trickle: what a consumer without the claim, the fence, retries and
+dead letters costs. Its batches are its own count (the JSON line it prints on SIGTERM).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -69,8 +75,9 @@ def _one(dsn: str, sql: str, *args: Any) -> Any:
     return asyncio.run(_fetch(dsn, sql, *args))[0][0]
 
 
-def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
-    """One counted drain; ``tp`` is bench/throughput.py (its queue and daemon helpers)."""
+def measure(tp: Any, env: Any, mode: str, who: str = "daemon") -> dict[str, Any]:
+    """One counted drain by ``who`` (the daemon, or the peer); ``tp`` is bench/throughput.py
+    (its queue, daemon and peer helpers)."""
     n = int(_env_num("COSTS_N", 3000))
     rate = _env_num("COSTS_RATE", 50)
     seconds = _env_num("COSTS_SECONDS", 30)
@@ -78,7 +85,7 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
     if slow:
         rate = _env_num("COSTS_SLOW_RATE", 20)
         seconds = _env_num("COSTS_SLOW_SECONDS", 10)
-    label = env.next(f"costs-{mode}-")
+    label = env.next(f"costs-{mode}-" if who == "daemon" else f"costs-{who}-{mode}-")
     db = label.replace("-", "_")
     direct = tp.new_database(env, db)
     url = tp.create_queue(env.ls.url, label)
@@ -87,7 +94,7 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
     pg = urllib.parse.urlsplit(env.pg_dsn("postgres"))
     port = free_port()
     res: dict[str, Any] = {"mode": mode}
-    log_path = tp.RESULTS / f"daemon-{label}.log"
+    log_path = tp.RESULTS / f"{who}-{label}.log"
     tp.RESULTS.mkdir(parents=True, exist_ok=True)
     with FaultProxy(env.ls.url) as sqs, \
             PgWireCounter(pg.hostname or "127.0.0.1", pg.port or 5432, pg.username or "") as wire, \
@@ -98,14 +105,27 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
         if slow:
             denv.update(INGEST_HANDLERS="bench.slow_handler",
                         INGEST_VISIBILITY_TIMEOUT=str(int(_env_num("COSTS_SLOW_VT", 4))))
-        proc = subprocess.Popen([sys.executable, "-m", "service", "run"], cwd=ROOT, env=denv,
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until(lambda: _ready(port, proc), 60, "daemon /readyz")
+        peer = who != "daemon"
+        if peer:
+            # Counted from before it starts: it has no readiness to wait for, and its pool
+            # connects on first use (logins are taken off below).
             sqs0, pg0 = Counter(sqs.by_action), wire.counts()
             wal0 = _one(direct, "SELECT pg_current_wal_lsn()::text")
-            batches0 = _batches(tp, port)
-            extended0 = _metric(tp, port, "sqs_ingest_visibility_extensions_total")
+            batches0 = extended0 = 0.0
+            penv = {**os.environ, "PEER_QUEUE_URL": url, "PEER_ENDPOINT": sqs.url,
+                    "PEER_DATABASE_URL": wire.dsn(db), "AWS_DEFAULT_REGION": tp.REGION}
+            proc = subprocess.Popen([str(shutil.which("node")), "peer.mjs"], cwd=tp.PEER_DIR,
+                                    env=penv, stdout=subprocess.PIPE, stderr=log)
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "service", "run"], cwd=ROOT,
+                                    env=denv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if not peer:
+                wait_until(lambda: _ready(port, proc), 60, "daemon /readyz")
+                sqs0, pg0 = Counter(sqs.by_action), wire.counts()
+                wal0 = _one(direct, "SELECT pg_current_wal_lsn()::text")
+                batches0 = _batches(tp, port)
+                extended0 = _metric(tp, port, "sqs_ingest_visibility_extensions_total")
             sent: dict[str, float] = {}
             if mode in ("trickle", "slow"):
                 n = int(rate * seconds)
@@ -120,17 +140,29 @@ def measure(tp: Any, env: Any, mode: str) -> dict[str, Any]:
             wait_until(lambda: tp.queue_depth(env.ls.url, url) == 0, 60, "the last acks")
             sqs1, pg1 = Counter(sqs.by_action), wire.counts()
             wal = _one(direct, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)", wal0)
-            batches = _batches(tp, port) - batches0
-            extended = _metric(tp, port, "sqs_ingest_visibility_extensions_total") - extended0
+            if not peer:
+                batches = _batches(tp, port) - batches0
+                extended = _metric(tp, port, "sqs_ingest_visibility_extensions_total") - extended0
             if sent:
                 res.update(_latency(direct, sent))
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
-                res["exit_code"] = proc.wait(60)
+                out, _ = proc.communicate(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                res["exit_code"] = proc.wait()
+                out, _ = proc.communicate()
+            res["exit_code"] = proc.returncode
+            if peer:
+                # It aborts its long polls on SIGTERM; the proxy still holds them upstream
+                # (up to 20 s) and cannot stop before they end.
+                wait_until(lambda: sum(sqs.in_flight.values()) == 0, 30,
+                           "the peer's aborted long polls")
+        if peer:
+            lines = (out or b"").decode().strip().splitlines()
+            stats = json.loads(lines[-1]) if lines else {}
+            batches, extended = float(stats.get("batches", 0)), 0.0
+            res["peer_errors"] = stats.get("errors")
     by_action = {k: sqs1[k] - sqs0[k] for k in sqs1 if sqs1[k] - sqs0[k]}
     trips = pg1.minus(pg0)
     requests = sum(by_action.values())
@@ -200,10 +232,13 @@ def _latency(dsn: str, sent: dict[str, float]) -> dict[str, Any]:
     return {"latency_p50_s": q[49], "latency_p99_s": q[98], "latency_max_s": lat[-1]}
 
 
-def phase(tp: Any, env: Any) -> dict[str, Any]:
+def phase(tp: Any, env: Any, peer: str | None = None) -> dict[str, Any]:
     out = {"backlog": measure(tp, env, "backlog"), "trickle": measure(tp, env, "trickle")}
     if _env_num("COSTS_SLOW_SECONDS", 10) > 0:
         out["slow"] = measure(tp, env, "slow")
+    if peer:
+        out["peer"] = {"name": peer, "backlog": measure(tp, env, "backlog", who="peer"),
+                       "trickle": measure(tp, env, "trickle", who="peer")}
     return out
 
 
@@ -229,6 +264,24 @@ def report(c: dict[str, Any]) -> list[str]:
     if "latency_p99_s" in t:
         lines.append(f"trickle send -> COMPLETED: p50 {t['latency_p50_s']:.3f} s, "
                      f"p99 {t['latency_p99_s']:.3f} s, max {t['latency_max_s']:.3f} s")
+    p = c.get("peer")
+    if p:
+        pb, pt = p["backlog"], p["trickle"]
+        lines += ["", f"The peer ({p['name']}), counted the same way:",
+                  "| figure | backlog | trickle |", "| --- | ---: | ---: |"]
+
+        def prow(name: str, key: str, spec: str = ".3f") -> None:
+            lines.append(f"| {name} | {pb.get(key, 0):{spec}} | {pt.get(key, 0):{spec}} |")
+
+        prow("SQS requests per message", "sqs_requests_per_message")
+        prow("PostgreSQL round trips per message", "pg_round_trips_per_message")
+        prow("PostgreSQL round trips per batch", "pg_round_trips_per_batch", ".2f")
+        prow("transactions per message", "transactions_per_message")
+        prow("WAL bytes per message", "wal_bytes_per_message", ",.0f")
+        prow("batches", "batches", ",.0f")
+        if "latency_p99_s" in pt:
+            lines.append(f"peer trickle send -> COMPLETED: p50 {pt['latency_p50_s']:.3f} s, "
+                         f"p99 {pt['latency_p99_s']:.3f} s, max {pt['latency_max_s']:.3f} s")
     s = c.get("slow")
     if s:
         requests = s["extension_requests_per_message"]

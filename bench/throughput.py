@@ -33,7 +33,8 @@ reports RSS at start and end), COSTS_N / COSTS_RATE / COSTS_SECONDS (the counted
 figures of the ``costs`` phase, bench/costs.py: a backlog of COSTS_N, default 3,000, and a
 trickle of COSTS_RATE msg/s, default 50, for COSTS_SECONDS, default 30; then slow handlers
 under the visibility heartbeat: COSTS_SLOW_RATE / COSTS_SLOW_SECONDS / COSTS_SLOW_HANDLER /
-COSTS_SLOW_VT, COSTS_SLOW_SECONDS=0 skips it), PROFILE=1 (one more daemon drain under ``py-spy record``,
+COSTS_SLOW_VT, COSTS_SLOW_SECONDS=0 skips it; with PEER set, the peer's backlog and trickle
+counted the same way), PROFILE=1 (one more daemon drain under ``py-spy record``,
 raw collapsed stacks + a summary), HOT_ENTITIES=K (every message writes one of K entities
 instead of its own: batches with several writes of one entity), PHASES (default ``ceiling,naive,daemon,costs``; also
 ``compare``, ``results``, ``peer``). INGEST_*
@@ -1545,7 +1546,7 @@ def main() -> int:
             import costs
 
             print("bench: costs (backlog, then a trickle) ...", flush=True)
-            r["costs"] = costs.phase(sys.modules[__name__], env)
+            r["costs"] = costs.phase(sys.modules[__name__], env, a.peer)
             print("\n".join(costs.report(r["costs"])), flush=True)
         if old and new:
             step("compare", phase_compare, env, a.n, ls.url, old, new, a.rounds)
