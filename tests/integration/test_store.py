@@ -1248,3 +1248,34 @@ async def test_claim_takes_over_only_claims_the_gc_would_collect_and_never_waits
     # The lock gone, the stale owner's claim is taken over too.
     again = await taker.claim([msg("r-locked", mid="again-r-locked")])
     assert (again["r-locked"].claimed, again["r-locked"].collected_from) == (True, "w-stale")
+
+
+@pytest.mark.parametrize("committed_before", [True, False])
+async def test_a_batch_that_raised_after_a_commit_still_resets_its_connection(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, committed_before: bool
+) -> None:
+    """The attempt loop committed a part of the batch (a half), whose handler left session
+    state, then raised (here: the database went away for the rest). The commit stands, so
+    its connection is reset before it goes back to the pool: the next batch on it does not
+    run under that state. With nothing committed, no reset is paid (every attempt rolled
+    back, and a SET in a rolled-back transaction is undone with it; this stand-in's SET,
+    outside any transaction, only shows that no reset ran)."""
+    from service.adapters import completion
+    from service.errors import DatabaseUnavailable
+
+    async def half_then_outage(txns: Any, *args: Any, **kwargs: Any) -> Any:
+        await txns.conn.execute("SET application_name = 'left-by-a-handler'")
+        txns.committed_any = committed_before
+        raise DatabaseUnavailable("the rest of the batch met an outage")
+
+    monkeypatch.setattr(completion, "complete", half_then_outage)
+    one = await create_pool(database_url, 1)  # the same connection, batch after batch
+    try:
+        store = await registered(one, "w-a")
+        with pytest.raises(DatabaseUnavailable):
+            await store.apply([msg("r1")], Invoker(Registry()).one)
+        async with one.acquire() as conn:
+            name = await conn.fetchval("SHOW application_name")
+    finally:
+        await one.close()
+    assert (name == "left-by-a-handler") is not committed_before
