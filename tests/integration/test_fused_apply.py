@@ -53,6 +53,23 @@ async def fused_statement(store: Store, todo: list[Message],
                                              entity_rows, None)
 
 
+def processor_for(store: Store, queue: Any, fatal: list[Any], registry: Any = default_registry,
+                  *, fifo: bool = False, handler_timeout: float = 60) -> Any:
+    """A BatchProcessor over ``store`` and ``queue`` with the worker's defaults; its fatal
+    calls go to ``fatal``."""
+    from service.core.retry import ReceiveLimit, RetryPolicy
+    from service.runtime.batch import BatchProcessor
+    from service.runtime.dbhealth import DatabaseHealth
+
+    async def _noop() -> None:
+        return None
+
+    return BatchProcessor(
+        queue, store, registry, RetryPolicy(), DatabaseHealth(store, asyncio.Event(), _noop),
+        fifo=fifo, visibility_timeout=30, handler_timeout=handler_timeout,
+        fatal=lambda *a, **k: fatal.append(a), limit=ReceiveLimit(RetryPolicy().max_failures))
+
+
 @pytest.fixture
 def paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How batches were applied: ``fused`` statements run, of which ``fell_back``, and runs
@@ -379,9 +396,6 @@ async def test_a_bisected_batch_completes_through_the_completing_transaction(
     """A request_id PostgreSQL refuses at the claim (the door's limit lifted): the batch is
     bisected, and its parts are applied by ``Store.apply`` only — the neighbours complete,
     the one at fault is dead-lettered."""
-    from service.core.retry import ReceiveLimit, RetryPolicy
-    from service.runtime.batch import BatchProcessor
-    from service.runtime.dbhealth import DatabaseHealth
     from service.testing import FakeQueue
     from tests.integration.test_hostile import hostile_id, upsert
 
@@ -398,18 +412,8 @@ async def test_a_bisected_batch_completes_through_the_completing_transaction(
             queue.send(b)
         received = await queue.receive(10, 0, 30)
         assert len(received) == 9
-
-        async def _noop() -> None:
-            return None
-
         fatal: list[Any] = []
-        processor = BatchProcessor(
-            queue, store, default_registry, RetryPolicy(),
-            DatabaseHealth(store, asyncio.Event(), _noop), fifo=False,
-            visibility_timeout=30, handler_timeout=60,
-            fatal=lambda *a, **k: fatal.append(a),
-            limit=ReceiveLimit(RetryPolicy().max_failures))
-        await processor.run(received)
+        await processor_for(store, queue, fatal).run(received)
         assert not fatal
         assert paths["fused"] == 0 and paths["general"] > 0, paths
         assert await db.fetchval(
@@ -437,10 +441,7 @@ async def test_which_batches_the_fused_statement_carries(
     paths: dict[str, int],
 ) -> None:
     """Only a standard queue's batch of the reference handlers alone, no entity twice."""
-    from service.core.retry import ReceiveLimit, RetryPolicy
     from service.handlers import Registry
-    from service.runtime.batch import BatchProcessor
-    from service.runtime.dbhealth import DatabaseHealth
     from service.testing import FakeQueue
 
     load_reference_handlers()
@@ -471,17 +472,8 @@ async def test_which_batches_the_fused_statement_carries(
         for i, b in enumerate(bodies):
             queue.send(b, group_id=f"g{i}" if fifo else None)
         received = await queue.receive(10, 0, 30)
-
-        async def _noop() -> None:
-            return None
-
         fatal: list[Any] = []
-        processor = BatchProcessor(
-            queue, store, reg, RetryPolicy(), DatabaseHealth(store, asyncio.Event(), _noop),
-            fifo=fifo, visibility_timeout=30, handler_timeout=60,
-            fatal=lambda *a, **k: fatal.append(a),
-            limit=ReceiveLimit(RetryPolicy().max_failures))
-        await processor.run(received)
+        await processor_for(store, queue, fatal, reg, fifo=fifo).run(received)
         assert not fatal
         assert (paths["fused"], paths["general"]) == expected
         assert not store.outbox_written.is_set()  # results off: no outbox row
@@ -533,9 +525,6 @@ async def test_the_batch_bounds_the_fused_statement_by_the_handlers_time_limit(
     (``handler_timeout``): waiting on an entity another transaction holds locked, the statement
     is cancelled past it and falls back while the lock is still held — not after the pool's
     command timeout. The attempt loop then completes the batch once the lock is gone."""
-    from service.core.retry import ReceiveLimit, RetryPolicy
-    from service.runtime.batch import BatchProcessor
-    from service.runtime.dbhealth import DatabaseHealth
     from service.testing import FakeQueue
 
     await db.execute("INSERT INTO entities (entity_id, version, data, request_id)"
@@ -558,16 +547,8 @@ async def test_the_batch_bounds_the_fused_statement_by_the_handlers_time_limit(
             queue.send(json.dumps({"request_id": m.request_id, "type": m.type,
                                    "payload": m.payload_json}))
         received = await queue.receive(10, 0, 30)
-
-        async def _noop() -> None:
-            return None
-
         fatal: list[Any] = []
-        processor = BatchProcessor(
-            queue, store, default_registry, RetryPolicy(),
-            DatabaseHealth(store, asyncio.Event(), _noop), fifo=False,
-            visibility_timeout=30, handler_timeout=0.5, fatal=lambda *a, **k: fatal.append(a),
-            limit=ReceiveLimit(RetryPolicy().max_failures))
+        processor = processor_for(store, queue, fatal, handler_timeout=0.5)
         tx = other.transaction()
         await tx.start()
         await other.execute("SELECT 1 FROM entities WHERE entity_id = 'e-r2' FOR UPDATE")
