@@ -105,13 +105,15 @@ def measure(tp: Any, env: Any, mode: str, who: str = "daemon") -> dict[str, Any]
         if slow:
             denv.update(INGEST_HANDLERS="bench.slow_handler",
                         INGEST_VISIBILITY_TIMEOUT=str(int(_env_num("COSTS_SLOW_VT", 4))))
+        def start_counts() -> tuple[Counter[str], Any, str]:
+            return (Counter(sqs.by_action), wire.counts(),
+                    _one(direct, "SELECT pg_current_wal_lsn()::text"))
+
         peer = who != "daemon"
         if peer:
             # Counted from before it starts: it has no readiness to wait for, and its pool
             # connects on first use (logins are taken off below).
-            sqs0, pg0 = Counter(sqs.by_action), wire.counts()
-            wal0 = _one(direct, "SELECT pg_current_wal_lsn()::text")
-            batches0 = extended0 = 0.0
+            sqs0, pg0, wal0 = start_counts()
             penv = {**os.environ, "PEER_QUEUE_URL": url, "PEER_ENDPOINT": sqs.url,
                     "PEER_DATABASE_URL": wire.dsn(db), "AWS_DEFAULT_REGION": tp.REGION}
             proc = subprocess.Popen([str(shutil.which("node")), "peer.mjs"], cwd=tp.PEER_DIR,
@@ -122,8 +124,7 @@ def measure(tp: Any, env: Any, mode: str, who: str = "daemon") -> dict[str, Any]
         try:
             if not peer:
                 wait_until(lambda: _ready(port, proc), 60, "daemon /readyz")
-                sqs0, pg0 = Counter(sqs.by_action), wire.counts()
-                wal0 = _one(direct, "SELECT pg_current_wal_lsn()::text")
+                sqs0, pg0, wal0 = start_counts()
                 batches0 = _batches(tp, port)
                 extended0 = _metric(tp, port, "sqs_ingest_visibility_extensions_total")
             sent: dict[str, float] = {}
@@ -242,46 +243,38 @@ def phase(tp: Any, env: Any, peer: str | None = None) -> dict[str, Any]:
     return out
 
 
-def report(c: dict[str, Any]) -> list[str]:
-    lines = ["", "Cost per message, counted (one daemon, defaults, reference handlers):",
-             "| figure | backlog | trickle |", "| --- | ---: | ---: |"]
-    b, t = c["backlog"], c["trickle"]
+#: The rows of the counted table: (figure, key in a measure() result, format).
+ROWS = [("SQS requests per message", "sqs_requests_per_message", ".3f"),
+        ("PostgreSQL round trips per message", "pg_round_trips_per_message", ".3f"),
+        ("PostgreSQL round trips per batch", "pg_round_trips_per_batch", ".2f"),
+        ("transactions per message", "transactions_per_message", ".3f"),
+        ("WAL bytes per message", "wal_bytes_per_message", ",.0f"),
+        ("batches", "batches", ",.0f")]
 
-    def row(name: str, key: str, spec: str = ".3f") -> None:
-        lines.append(f"| {name} | {b.get(key, 0):{spec}} | {t.get(key, 0):{spec}} |")
 
-    lines.append(f"| messages | {b['messages']:,} | {t['messages']:,} "
-                 f"({_env_num('COSTS_RATE', 50):g}/s) |")
-    row("SQS requests per message", "sqs_requests_per_message")
-    row("PostgreSQL round trips per message", "pg_round_trips_per_message")
-    row("PostgreSQL round trips per batch", "pg_round_trips_per_batch", ".2f")
-    row("transactions per message", "transactions_per_message")
-    row("WAL bytes per message", "wal_bytes_per_message", ",.0f")
-    row("batches", "batches", ",.0f")
+def _table(title: str, b: dict[str, Any], t: dict[str, Any], who: str) -> list[str]:
+    """The counted figures of one consumer's backlog and trickle drains."""
+    lines = ["", title, "| figure | backlog | trickle |", "| --- | ---: | ---: |",
+             f"| messages | {b['messages']:,} | {t['messages']:,} "
+             f"({_env_num('COSTS_RATE', 50):g}/s) |"]
+    lines += [f"| {name} | {b.get(key, 0):{spec}} | {t.get(key, 0):{spec}} |"
+              for name, key, spec in ROWS]
     for mode, r in (("backlog", b), ("trickle", t)):
-        lines.append(f"SQS requests ({mode}): " + ", ".join(
+        lines.append(f"{who}SQS requests ({mode}): " + ", ".join(
             f"{k} {v:,}" for k, v in sorted(r["sqs_requests"].items())))
     if "latency_p99_s" in t:
-        lines.append(f"trickle send -> COMPLETED: p50 {t['latency_p50_s']:.3f} s, "
+        lines.append(f"{who}trickle send -> COMPLETED: p50 {t['latency_p50_s']:.3f} s, "
                      f"p99 {t['latency_p99_s']:.3f} s, max {t['latency_max_s']:.3f} s")
+    return lines
+
+
+def report(c: dict[str, Any]) -> list[str]:
+    lines = _table("Cost per message, counted (one daemon, defaults, reference handlers):",
+                   c["backlog"], c["trickle"], "")
     p = c.get("peer")
     if p:
-        pb, pt = p["backlog"], p["trickle"]
-        lines += ["", f"The peer ({p['name']}), counted the same way:",
-                  "| figure | backlog | trickle |", "| --- | ---: | ---: |"]
-
-        def prow(name: str, key: str, spec: str = ".3f") -> None:
-            lines.append(f"| {name} | {pb.get(key, 0):{spec}} | {pt.get(key, 0):{spec}} |")
-
-        prow("SQS requests per message", "sqs_requests_per_message")
-        prow("PostgreSQL round trips per message", "pg_round_trips_per_message")
-        prow("PostgreSQL round trips per batch", "pg_round_trips_per_batch", ".2f")
-        prow("transactions per message", "transactions_per_message")
-        prow("WAL bytes per message", "wal_bytes_per_message", ",.0f")
-        prow("batches", "batches", ",.0f")
-        if "latency_p99_s" in pt:
-            lines.append(f"peer trickle send -> COMPLETED: p50 {pt['latency_p50_s']:.3f} s, "
-                         f"p99 {pt['latency_p99_s']:.3f} s, max {pt['latency_max_s']:.3f} s")
+        lines += _table(f"The peer ({p['name']}), counted the same way:",
+                        p["backlog"], p["trickle"], "peer ")
     s = c.get("slow")
     if s:
         requests = s["extension_requests_per_message"]
