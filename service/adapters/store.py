@@ -461,9 +461,10 @@ def _utc_text(at: datetime | None) -> str | None:
     as local time."""
     if at is None:
         return None
-    if at.replace(tzinfo=None) == datetime.max:
+    naive = at.replace(tzinfo=None)
+    if naive == datetime.max:
         return "infinity"
-    if at.replace(tzinfo=None) == datetime.min:
+    if naive == datetime.min:
         return "-infinity"
     return at.astimezone(UTC).isoformat()
 

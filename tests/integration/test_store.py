@@ -145,7 +145,6 @@ async def test_a_dead_letter_keeps_its_receive_count_and_an_unknown_one_as_null(
 @pytest.fixture(params=["UTC0", "EST+5"])
 def host_zone(request: pytest.FixtureRequest) -> Iterator[str]:
     """The process's local time zone (TZ), UTC or five hours west of it."""
-
     before = os.environ.get("TZ")
     os.environ["TZ"] = request.param
     time.tzset()
