@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from service.adapters.store import DeadLetter, Store, claim, create_pool
+from service.adapters.store import DeadLetter, Store, _utc_text, claim, create_pool
 from service.core.messages import Message, Received, payload_hash
 from service.handlers import Registry
 from service.handlers.entities import EntityUpsert
@@ -183,6 +183,8 @@ async def test_sent_at_is_stored_as_the_drivers_own_encoding_stores_it(
     expected = {rid: await db.fetchval("SELECT $1::timestamptz::text", v) for rid, v in at.items()}
     assert rows == expected
     assert (rows["lo"], rows["hi"]) == ("-infinity", "infinity")
+    # and the extremes go to the statement in PostgreSQL's own spelling of them
+    assert (_utc_text(at["lo"]), _utc_text(at["hi"])) == (rows["lo"], rows["hi"])
 
 
 async def test_two_sessions_claim_the_same_request_exactly_one_wins(database_url: str) -> None:
