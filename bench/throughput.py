@@ -35,7 +35,7 @@ trickle of COSTS_RATE msg/s, default 50, for COSTS_SECONDS, default 30; then slo
 under the visibility heartbeat: COSTS_SLOW_RATE / COSTS_SLOW_SECONDS / COSTS_SLOW_HANDLER /
 COSTS_SLOW_VT, COSTS_SLOW_SECONDS=0 skips it; with PEER set, the peer's backlog and trickle
 counted the same way), PROFILE=1 (one more daemon drain under ``py-spy record``,
-raw collapsed stacks + a summary), HOT_ENTITIES=K (every message writes one of K entities
+raw collapsed stacks + a summary; PROFILE=native with C frames), HOT_ENTITIES=K (every message writes one of K entities
 instead of its own: batches with several writes of one entity), PHASES (default ``ceiling,naive,daemon,costs``; also
 ``compare``, ``results``, ``peer``). INGEST_*
 variables set in the environment reach the daemon (and the ceiling's concurrency), so
@@ -992,7 +992,11 @@ def phase_daemon(env: Env, n: int, endpoint: str, label: str, profile: bool = Fa
             if profile:
                 spy = subprocess.Popen(
                     [str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-                     str(proc.pid), "--rate", "200", "--gil", "--nonblocking", "--format", "raw",
+                     str(proc.pid), "--rate", "200", "--gil",
+                     # native: C frames too (asyncpg's protocol, the kernel's writes); it must
+                     # stop the process to read them, so it cannot be nonblocking.
+                     "--native" if os.environ.get("PROFILE") == "native" else "--nonblocking",
+                     "--format", "raw",
                      "-o", str(profile_path)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             gc_before = _gc_collections(scrape(port))

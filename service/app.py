@@ -179,6 +179,7 @@ async def _named(settings: Settings) -> Settings:
 
 async def _with_queue(settings: Settings, state: _Startup, store: Store) -> int:
     session = get_session()  # one credentials chain for SQS and S3
+    metrics.count_aws_requests(session)
     async with sqs_client(settings.aws_region, settings.sqs_endpoint_url,
                           max_pool_connections=settings.pollers * 2 + 10,
                           session=session) as client:

@@ -149,6 +149,7 @@ async def results_sink(settings: Settings) -> AsyncIterator[ResultsSink]:
     ``INGEST_RESULTS_ENDPOINT_URL``, default ``INGEST_SQS_ENDPOINT_URL``)."""
     service = "sns" if settings.results_topic_arn else "sqs"
     session = get_session()
+    metrics.count_aws_requests(session)
     config = AioConfig(connect_timeout=5, read_timeout=settings.results_send_timeout,
                        retries={"max_attempts": 2, "mode": "standard"},
                        # Entries are built here from typed values (as in service.adapters.sqs).

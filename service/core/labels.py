@@ -49,6 +49,12 @@ PRUNED_TABLES: tuple[PrunedTable, ...] = get_args(PrunedTable)
 SqsOperation = Literal["receive", "change_visibility", "requeue", "get_queue_attributes"]
 SQS_OPERATIONS: tuple[SqsOperation, ...] = get_args(SqsOperation)
 
+#: ``aws_requests_total{service="sqs", operation}``: the actions of the daemon's own loops, the
+#: series that exist from the start (any other action's appears at its first request).
+SqsLoopAction = Literal[
+    "ReceiveMessage", "DeleteMessageBatch", "ChangeMessageVisibilityBatch", "GetQueueAttributes"]
+SQS_LOOP_ACTIONS: tuple[SqsLoopAction, ...] = get_args(SqsLoopAction)
+
 #: ``results_published_total{status}``: a result's status (SPEC §5).
 ResultStatus = Literal["COMPLETED", "FAILED"]
 RESULT_STATUSES: tuple[ResultStatus, ...] = get_args(ResultStatus)

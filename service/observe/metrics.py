@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import (
@@ -52,6 +53,12 @@ dead_letters = Counter(
 )
 db_errors = Counter(P + "db_errors", "Database connection failures", registry=REGISTRY)
 sqs_errors = Counter(P + "sqs_errors", "SQS calls that failed", ["operation"], registry=REGISTRY)
+aws_requests = Counter(
+    P + "aws_requests",
+    "AWS API requests sent, by service and action: every attempt, retries included (each is "
+    "billed)",
+    ["service", "operation"], registry=REGISTRY,
+)
 visibility_extensions = Counter(
     P + "visibility_extensions", "Messages whose visibility was extended while in flight",
     registry=REGISTRY,
@@ -167,6 +174,21 @@ def prime(types: Iterable[str]) -> None:
         sqs_errors.labels(operation)
     for status in labels.RESULT_STATUSES:
         results_published.labels(status)
+    for action in labels.SQS_LOOP_ACTIONS:
+        aws_requests.labels("sqs", action)
+
+
+def count_aws_requests(session: Any) -> None:
+    """Count every request the clients of ``session`` (aiobotocore) make from now on, in
+    ``aws_requests_total``: a client copies its session's event handlers when it is made, and
+    botocore emits ``before-send.<service>.<Action>`` once per HTTP attempt."""
+    session.register("before-send", _count_aws_request, unique_id="sqs-ingest-aws-requests")
+
+
+def _count_aws_request(event_name: str, **_kwargs: Any) -> None:
+    # partition, never raising: a handler's error would fail the request it counts.
+    service, _, action = event_name.partition(".")[2].partition(".")
+    aws_requests.labels(service, action).inc()
 
 
 Check = Callable[[], Awaitable[tuple[bool, dict[str, object]]]]

@@ -293,6 +293,13 @@ async def test_a_refusing_destination_never_stops_ingestion(
                    "six refused publishes")
         peak = d.metric("sqs_ingest_outbox_pending")
         assert proxy.refused > 0 and peak > 0
+        # Every refused attempt was a request, counted as it went out (so never behind the
+        # proxy's count read first): the results sink's session is counted, like the source's.
+        refused = proxy.refused
+        assert d.metric("sqs_ingest_aws_requests_total", service="sqs",
+                        operation="SendMessageBatch") >= refused
+        for action in ("ReceiveMessage", "DeleteMessageBatch", "GetQueueAttributes"):
+            assert d.metric("sqs_ingest_aws_requests_total", service="sqs", operation=action) > 0
         proxy.refusing = False
         seen: list[float] = []
 

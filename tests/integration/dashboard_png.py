@@ -69,9 +69,11 @@ def render(dashboard: dict[str, Any], instant: Callable[[str], list[dict[str, An
             drawn, peak = 0, 0.0
             for t in p["targets"]:
                 for labels, xs, ys in series(t["expr"]):
+                    ys = [y if math.isfinite(y) else math.nan for y in ys]
                     ax.plot(xs, ys, linewidth=1.2, label=legend(t["legendFormat"], labels))
                     drawn += 1
-                    peak = max([peak, *(y for y in ys if not math.isnan(y))])
+                    # As Grafana: an infinite point (a ratio over an idle window) is not drawn.
+                    peak = max([peak, *(y for y in ys if math.isfinite(y))])
             ax.set_ylim(0, peak * 1.3 if peak > 0 else 1)
             ax.tick_params(axis="x", labelsize=6)
             if drawn:

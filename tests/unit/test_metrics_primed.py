@@ -23,6 +23,7 @@ EXPECTED: dict[str, list[tuple[str, ...]]] = {
     "messages_processed": [(*TYPES, labels.INVALID_TYPE_LABEL), labels.OUTCOMES],
     "dead_letters": [labels.DEAD_LETTER_REASONS],
     "sqs_errors": [labels.SQS_OPERATIONS],
+    "aws_requests": [("sqs",), labels.SQS_LOOP_ACTIONS],
     "results_published": [labels.RESULT_STATUSES],
     "pruned_rows": [labels.PRUNED_TABLES],
     "s3_fetches": [labels.FETCH_OUTCOMES],
