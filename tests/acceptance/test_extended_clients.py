@@ -186,6 +186,9 @@ async def test_offloaded_payloads_through_sqs_and_sns_land_exactly_as_sent(
     for rid in ("r-echo", "r-echo-sqs"):
         assert mods[rid]["result"]["attributes"]["tenant"] == TENANT, mods[rid]["result"]
     assert d.metric("sqs_ingest_s3_fetches_total", outcome="fetched") == len(offloaded)
+    # The S3 client is the daemon's session's: its requests are counted like SQS's.
+    assert d.metric("sqs_ingest_aws_requests_total", service="s3",
+                    operation="GetObject") >= len(offloaded)
     assert d.stop() == 0
 
 
@@ -301,4 +304,7 @@ async def test_an_s3_outage_hands_pointers_back_until_s3_answers_again(
             await conn.close()
         assert d.metric("sqs_ingest_s3_fetches_total", outcome="error") >= 3
         assert d.metric("sqs_ingest_s3_fetches_total", outcome="fetched") == 3
+        # Every GetObject that reached S3's endpoint, refused or served, counted once.
+        assert d.metric("sqs_ingest_aws_requests_total", service="s3",
+                        operation="GetObject") == sum(s3.by_action.values()) > s3.refused >= 9
         assert d.stop() == 0
