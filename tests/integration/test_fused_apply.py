@@ -484,6 +484,17 @@ async def test_which_batches_the_fused_statement_carries(
         await pool.close()
 
 
+async def fell_back(paths: dict[str, int], task: asyncio.Task[Any], why: str) -> None:
+    """Wait (30 s at most) until a fused statement has fallen back, ``task`` still running:
+    the lock the test holds is still held."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while paths["fell_back"] == 0:
+        assert loop.time() < deadline, why
+        assert not task.done(), task
+        await asyncio.sleep(0.05)
+
+
 async def test_a_statement_past_the_handlers_time_limit_falls_back(
     store: Store, db: asyncpg.Connection, database_url: str, paths: dict[str, int],
 ) -> None:
@@ -500,12 +511,7 @@ async def test_a_statement_past_the_handlers_time_limit_falls_back(
         applying = asyncio.create_task(store.apply(
             todo, Invoker(default_registry).one, batch=Invoker(default_registry).batching,
             entity_rows=rows(todo), time_limit=0.2))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while paths["fell_back"] == 0:
-            assert loop.time() < deadline, "the statement outlived its time limit"
-            assert not applying.done(), applying
-            await asyncio.sleep(0.05)
+        await fell_back(paths, applying, "the statement outlived its time limit")
         await tx.rollback()
         res = await asyncio.wait_for(applying, 30)
     finally:
@@ -553,12 +559,7 @@ async def test_the_batch_bounds_the_fused_statement_by_the_handlers_time_limit(
         await tx.start()
         await other.execute("SELECT 1 FROM entities WHERE entity_id = 'e-r2' FOR UPDATE")
         running = asyncio.create_task(processor.run(received))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while paths["fell_back"] == 0:
-            assert loop.time() < deadline, "the fused statement outlived the handlers' limit"
-            assert not running.done(), running
-            await asyncio.sleep(0.05)
+        await fell_back(paths, running, "the fused statement outlived the handlers' limit")
         await tx.rollback()
         released.set()
         await asyncio.wait_for(running, 30)
