@@ -43,8 +43,6 @@ def quantile(q: float, histogram: str) -> str:
     return f"histogram_quantile({q}, sum by (le) ({rate(histogram + '_bucket')}))"
 
 
-SQS_REQUESTS = rate("sqs_ingest_aws_requests_total", 'service="sqs"')
-
 # The reconcile sidecar (or the Pushgateway) is its own scrape job: no daemon filter.
 RECONCILE_LATEST = (
     "sqs_ingest_reconcile_last_success_timestamp_seconds"
@@ -181,8 +179,8 @@ ROWS: list[Row] = [
               description="Requests sent to AWS per second, each attempt of a retried call "
                           "too: what SQS, SNS and S3 bill for."),
         Panel("SQS requests per message",
-              [(f"sum({SQS_REQUESTS}) / sum({rate('sqs_ingest_messages_processed_total')})",
-                "requests/message")],
+              [("sum(" + rate("sqs_ingest_aws_requests_total", 'service="sqs"') + ") / sum("
+                + rate("sqs_ingest_messages_processed_total") + ")", "requests/message")],
               width=12,
               description="SQS requests per message resolved: about 0.2 on a backlog "
                           "(receives and deletes of 10), more on a trickle; an idle daemon's "
